@@ -1,0 +1,123 @@
+"""The run configuration: every option of `cosybatch run`, typed, documented and checked."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+from .errors import UsageError
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    corpus: Path
+    """Parquet or JSONL(.gz) corpus file."""
+    out: Path
+    """Output folder: shards, manifest, stats; rerunning on it resumes."""
+    format: Optional[str] = None
+    """'parquet' or 'jsonl'; None picks by file suffix."""
+    id_col: Optional[str] = None
+    """Id column; None uses 'id' when present, else the row number."""
+    text_col: str = "text"
+    """Text column."""
+    voice_col: Optional[str] = None
+    """Per-row voice column; None uses 'voice' when present."""
+    engine: str = "piper"
+    """Engine name."""
+    voice: Optional[str] = None
+    """Default voice: a name (bundled or in voice_dir) or a path to a Piper .onnx file."""
+    voice_dir: Optional[Path] = None
+    """Folder holding NAME.onnx + NAME.onnx.json voices that corpus rows may name."""
+    speaker: Optional[str] = None
+    """Speaker name or id for multi-speaker voices."""
+    device: str = "auto"
+    """auto (CUDA when onnxruntime has it, else CPU), cpu or cuda."""
+    batch_size: Optional[int] = None
+    """Most units per batch; None: 1 on CPU (fastest there, measured), 64 on GPU."""
+    batch_budget: Optional[int] = None
+    """Most padded cost per batch (batch size x longest unit, in phoneme ids); None: batch_size x 256."""
+    workers: Optional[int] = None
+    """Inference threads sharing the engine; None: one per CPU core on CPU, 2 on GPU."""
+    threads: int = 1
+    """Intra-op threads per inference call (CPU)."""
+    window: int = 20000
+    """Rows sorted together by length; bounds memory on corpora of any size."""
+    seed: int = 0
+    """Job seed; each item's noise is seeded from (seed, id), so reruns reproduce audio."""
+    noise_scale: Optional[float] = None
+    """Piper generator noise; None takes the voice's default."""
+    length_scale: Optional[float] = None
+    """Piper speaking-rate factor (>1 is slower); None takes the voice's default."""
+    noise_w: Optional[float] = None
+    """Piper duration noise; None takes the voice's default."""
+    sentence_silence: float = 0.0
+    """Seconds of silence inserted between the sentences of one row."""
+    normalize: bool = True
+    """Scale each clip to a full-scale peak (as piper's CLI does)."""
+    shard_max_items: int = 1000
+    """Close a shard after this many items."""
+    shard_max_bytes: int = 256 * 1024 * 1024
+    """Close a shard once it reaches this many bytes."""
+    limit: Optional[int] = None
+    """Read only the first N rows of the corpus."""
+    restart: bool = False
+    """Delete the output folder's earlier cosybatch output and start over."""
+    progress: str = "auto"
+    """auto (bar on a terminal, log lines otherwise), bar, log or none."""
+    log_every: float = 30.0
+    """Seconds between progress log lines when not on a terminal."""
+
+    def __post_init__(self) -> None:
+        positive = ("batch_size", "batch_budget", "workers", "threads", "window", "shard_max_items",
+                    "shard_max_bytes", "limit")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device must be auto, cpu or cuda (got {self.device!r})")
+        if self.progress not in ("auto", "bar", "log", "none"):
+            raise UsageError(f"--progress must be auto, bar, log or none (got {self.progress!r})")
+        if self.sentence_silence < 0:
+            raise UsageError("--sentence-silence must be >= 0")
+        if self.length_scale is not None and self.length_scale <= 0:
+            raise UsageError("--length-scale must be > 0")
+        for name in ("noise_scale", "noise_w"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+
+    def engine_extra(self) -> dict:
+        return {
+            "noise_scale": self.noise_scale,
+            "length_scale": self.length_scale,
+            "noise_w": self.noise_w,
+            "speaker": self.speaker,
+            "voice_dir": self.voice_dir,
+        }
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Field name -> docstring, for the CLI help."""
+        import ast
+        import inspect
+
+        docs = {}
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+        return docs
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

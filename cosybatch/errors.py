@@ -1,0 +1,44 @@
+"""Error classes and the process exit codes they map to.
+
+Every error the user can cause carries a message that says what to do next.
+"""
+
+from __future__ import annotations
+
+# Exit codes, documented in the README and in `cosybatch run --help`.
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_INTERRUPTED = 4
+EXIT_TOO_MANY_FAILURES = 5
+
+
+class CosybatchError(Exception):
+    """Base class for errors that end a run with a clear message and no traceback."""
+
+    exit_code = EXIT_INTERNAL
+
+
+class UsageError(CosybatchError):
+    """Bad options or a bad combination of options."""
+
+    exit_code = EXIT_USAGE
+
+
+class CorpusError(CosybatchError):
+    """The corpus file as a whole cannot be used (missing column, unknown format, unreadable)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ResumeMismatchError(CosybatchError):
+    """The output folder holds a run made with a different corpus or output-changing settings."""
+
+    exit_code = EXIT_USAGE
+
+
+class VoiceError(CosybatchError):
+    """A voice cannot be found or loaded."""
+
+    exit_code = EXIT_USAGE

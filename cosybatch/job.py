@@ -1,0 +1,452 @@
+"""One job, end to end: corpus -> plan -> engine -> shards + journal -> stats.
+
+Threads: the main thread reads and prepares rows and plans each window; `workers` inference
+threads run batches (onnxruntime releases the GIL while it computes); one writer thread commits
+finished batches in plan order. Queues between them are bounded, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import __version__
+from .checkpoint import STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
+from .config import RunConfig, cpu_count
+from .corpus import BadRow, Columns, Corpus, Row
+from .engines import EngineOptions, RowRejected, open_engine
+from .errors import CosybatchError, EXIT_INTERRUPTED, EXIT_OK
+from .plan import Batch, Unit, plan_batches
+from .shards import ShardWriter, item_key, wav_bytes
+from .stats import Progress, Stats
+
+log = logging.getLogger("cosybatch")
+
+FIRST_WINDOW_ROWS = 64  # the first window is small so audio starts flowing at once
+_DONE = object()
+
+
+@dataclass
+class _PendingRow:
+    row: Row
+    voice: str
+    parts: list  # audio per piece, filled in by finished batches
+    remaining: int
+    error: Optional[str] = None
+
+
+@dataclass
+class _Outcome:
+    batch: Batch
+    audio: list  # per unit: np.ndarray, or an error string
+    real_frames: int = 0
+    padded_frames: int = 0
+    infer_s: float = 0.0
+
+
+@dataclass
+class RunResult:
+    status: str  # "complete" or "interrupted"
+    exit_code: int
+    stats: dict = field(default_factory=dict)
+
+    def summary_line(self) -> str:
+        s = self.stats
+        return json.dumps({
+            "status": self.status,
+            "out": s.get("out"),
+            "items_done": s.get("job_totals", {}).get("items_done"),
+            "items_failed": s.get("job_totals", {}).get("items_failed"),
+            "audio_seconds": s.get("job_totals", {}).get("audio_seconds"),
+            "audio_seconds_per_wall_second": s.get("audio_seconds_per_wall_second"),
+        })
+
+
+class _Engines:
+    """Engines by voice, opened on first use. A voice that fails to load fails its rows, not the job."""
+
+    def __init__(self, cfg: RunConfig, options: EngineOptions):
+        self.cfg = cfg
+        self.options = options
+        self.by_voice: dict = {}
+        self.errors: dict[str, str] = {}
+
+    def get(self, voice: Optional[str], from_row: bool):
+        key = voice or ""
+        if key in self.by_voice:
+            return self.by_voice[key]
+        if key in self.errors:
+            raise RowRejected(self.errors[key])
+        extra = dict(self.options.extra, allow_paths=not from_row)
+        try:
+            engine = open_engine(self.cfg.engine, voice, EngineOptions(
+                self.options.device, self.options.threads, self.options.seed, extra))
+        except CosybatchError as exc:
+            if not from_row:
+                raise
+            self.errors[key] = str(exc)
+            raise RowRejected(str(exc)) from None
+        self.by_voice[key] = engine
+        return engine
+
+
+def run(cfg: RunConfig) -> RunResult:
+    out = OutputDir(cfg.out)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    out.lock()
+    try:
+        return _Job(cfg, out).run()
+    finally:
+        out.unlock()
+
+
+class _Job:
+    def __init__(self, cfg: RunConfig, out: OutputDir):
+        self.cfg = cfg
+        self.out = out
+        self.stats = Stats()
+        self.stop = threading.Event()
+        self.interrupted_by: Optional[str] = None
+
+    # -- the straight line -------------------------------------------------------------------
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        corpus = Corpus(cfg.corpus, Columns(
+            id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
+            id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None), cfg.format)
+
+        t0 = time.monotonic()
+        self.engines = _Engines(cfg, EngineOptions(cfg.device, cfg.threads, cfg.seed, cfg.engine_extra()))
+        default = self.engines.get(cfg.voice, from_row=False)
+        self.stats.stage_s["load"] = time.monotonic() - t0
+        self.device = default.device
+        self.batch_size = cfg.batch_size or (1 if self.device == "cpu" else 64)
+        self.batch_budget = cfg.batch_budget or self.batch_size * 256
+        self.workers = cfg.workers or (cpu_count() if self.device == "cpu" else 2)
+
+        resuming = self.out.check_or_start(self._fingerprint(corpus, default), cfg.restart)
+        state = self.out.resume_state()
+        self.stats.previous_items_done = state.items
+        self.stats.previous_items_failed = state.failures
+        self.stats.previous_audio_s = state.audio_s
+        if resuming:
+            log.info("resuming %s: %d items done, %d failed before", cfg.out, state.items, state.failures)
+
+        total = corpus.num_rows
+        if total is not None and cfg.limit:
+            total = min(total, cfg.limit)
+        self.progress = Progress(total, state.items + state.failures, cfg.progress, cfg.log_every)
+        self.journal = Journal(self.out.journal_path)
+        self.shard = ShardWriter(cfg.out, state.open_shard, state.open_offset, state.open_items) \
+            if state.open_shard is not None else None
+        self.next_shard = state.next_shard
+        self.rows: dict[int, _PendingRow] = {}
+        self.rows_lock = threading.Lock()
+
+        work: queue.Queue = queue.Queue(maxsize=2 * self.workers)
+        results: queue.Queue = queue.Queue()
+        workers = [threading.Thread(target=self._infer_loop, args=(work, results), daemon=True, name=f"infer-{i}")
+                   for i in range(self.workers)]
+        writer = threading.Thread(target=self._write_loop, args=(results,), daemon=True, name="writer")
+        for t in workers + [writer]:
+            t.start()
+        restore = self._install_signal_handlers()
+        error: Optional[BaseException] = None
+        try:
+            self._produce(corpus, state.done_ids, work, results)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below once the pipeline is drained
+            error = exc
+            self.stop.set()
+        finally:
+            for _ in workers:
+                work.put(_DONE)
+            for t in workers:
+                t.join()
+            results.put(_DONE)
+            writer.join()
+            restore()
+            self.progress.close()
+        if self.writer_error is not None:
+            error = error or self.writer_error
+        if error is not None:
+            if self.shard is not None:
+                self.shard.abandon()
+            self.journal.close()
+            raise error
+        return self._finish()
+
+    def _fingerprint(self, corpus: Corpus, engine) -> dict:
+        """Everything that changes the audio or which rows are read: a resume must match it."""
+        cfg = self.cfg
+        return {
+            "corpus": corpus.fingerprint(),
+            "columns": {"id": cfg.id_col, "text": cfg.text_col, "voice": cfg.voice_col, "format": corpus.format},
+            "engine": engine.describe(),
+            "seed": cfg.seed,
+            "sentence_silence": cfg.sentence_silence,
+            "normalize": cfg.normalize,
+        }
+
+    # -- main thread: read, prepare, plan ----------------------------------------------------
+    def _produce(self, corpus: Corpus, done_ids: set, work: queue.Queue, results: queue.Queue) -> None:
+        cfg = self.cfg
+        seen = set(done_ids)
+        window_rows = FIRST_WINDOW_ROWS
+        units: list[Unit] = []
+        failures: list[dict] = []
+        rows_in_window = 0
+        next_key = 0
+        seq = 0
+        it = iter(corpus)
+        read_s = prep_s = 0.0
+        while not self.stop.is_set():
+            t = time.monotonic()
+            row = next(it, None)
+            read_s += time.monotonic() - t
+            if row is None or (cfg.limit is not None and row.index >= cfg.limit):
+                break
+            if row.id is not None and row.id in done_ids:
+                continue
+            if isinstance(row, BadRow):
+                failures.append({"id": row.id, "row": row.index, "reason": row.reason})
+                if row.id is not None:
+                    seen.add(row.id)
+                continue
+            if row.id in seen:
+                failures.append({"id": row.id, "row": row.index, "reason": "duplicate id; the first row with it was kept"})
+                continue
+            seen.add(row.id)
+            t = time.monotonic()
+            try:
+                voice = row.voice or cfg.voice
+                engine = self.engines.get(voice, from_row=row.voice is not None)
+                prepared = engine.prepare(row.text, row.id)
+            except RowRejected as exc:
+                failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
+                prep_s += time.monotonic() - t
+                continue
+            prep_s += time.monotonic() - t
+            key = next_key
+            next_key += 1
+            group = voice or ""
+            with self.rows_lock:
+                self.rows[key] = _PendingRow(row, group, [None] * len(prepared.costs), len(prepared.costs))
+            units.extend(Unit(key, part, cost, group, payload)
+                         for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads)))
+            rows_in_window += 1
+            if rows_in_window >= window_rows:
+                seq = self._dispatch(units, seq, work)
+                units, rows_in_window = [], 0
+                window_rows = min(window_rows * 4, cfg.window)
+            if len(failures) >= 256:
+                results.put(("failed", failures))
+                failures = []
+        if units and not self.stop.is_set():
+            self._dispatch(units, seq, work)
+        if failures:
+            results.put(("failed", failures))
+        self.stats.stage_s["read"] += read_s
+        self.stats.stage_s["prepare"] += prep_s
+
+    def _dispatch(self, units: list[Unit], seq: int, work: queue.Queue) -> int:
+        batches = plan_batches(units, self.batch_size, self.batch_budget, first_seq=seq)
+        for batch in batches:
+            while not self.stop.is_set():
+                try:
+                    work.put(batch, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+        return seq + len(batches)
+
+    # -- inference threads -------------------------------------------------------------------
+    def _infer_loop(self, work: queue.Queue, results: queue.Queue) -> None:
+        while True:
+            batch = work.get()
+            if batch is _DONE:
+                return
+            if self.stop.is_set():
+                continue  # interrupted: queued batches are dropped and redone on resume
+            engine = self.engines.by_voice[batch.group]
+            t = time.monotonic()
+            try:
+                syn = engine.synthesize(batch.units)
+                outcome = _Outcome(batch, list(syn.audio), syn.real_frames, syn.padded_frames)
+            except Exception as exc:  # noqa: BLE001 - isolate the failing unit, record the reason
+                outcome = self._one_by_one(engine, batch, exc)
+            outcome.infer_s = time.monotonic() - t
+            results.put(("batch", outcome))
+
+    @staticmethod
+    def _one_by_one(engine, batch: Batch, batch_error: Exception) -> _Outcome:
+        if len(batch.units) == 1:
+            return _Outcome(batch, [f"synthesis failed: {batch_error!r}"])
+        outcome = _Outcome(batch, [])
+        for unit in batch.units:
+            try:
+                syn = engine.synthesize([unit])
+                outcome.audio.append(syn.audio[0])
+                outcome.real_frames += syn.real_frames
+                outcome.padded_frames += syn.padded_frames
+            except Exception as exc:  # noqa: BLE001
+                outcome.audio.append(f"synthesis failed: {exc!r}")
+        return outcome
+
+    # -- writer thread -----------------------------------------------------------------------
+    writer_error: Optional[BaseException] = None
+
+    def _write_loop(self, results: queue.Queue) -> None:
+        pending: dict[int, _Outcome] = {}
+        next_seq = 0
+        try:
+            while True:
+                msg = results.get()
+                if msg is _DONE:
+                    break
+                kind, payload = msg
+                if kind == "failed":
+                    self._commit_failures(payload)
+                    continue
+                pending[payload.batch.seq] = payload
+                while next_seq in pending:
+                    self._commit_batch(pending.pop(next_seq))
+                    next_seq += 1
+            # Interrupted: batches after a dropped one still hold finished rows worth keeping.
+            for seq in sorted(pending):
+                self._commit_batch(pending.pop(seq))
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.writer_error = exc
+            self.stop.set()
+
+    def _commit_failures(self, failures: list[dict]) -> None:
+        self.journal.append({"t": "failed", "items": failures})
+        self.stats.items_failed += len(failures)
+        self.progress.update(len(failures), 0.0)
+
+    def _commit_batch(self, outcome: _Outcome) -> None:
+        t = time.monotonic()
+        stats = self.stats
+        stats.batches += 1
+        stats.batch_sizes[len(outcome.batch.units)] += 1
+        stats.real_frames += outcome.real_frames
+        stats.padded_frames += outcome.padded_frames
+        stats.stage_s["infer"] += outcome.infer_s
+        finished: list[_PendingRow] = []
+        with self.rows_lock:
+            for unit, audio in zip(outcome.batch.units, outcome.audio):
+                pending = self.rows[unit.row_key]
+                if isinstance(audio, str):
+                    pending.error = pending.error or audio
+                else:
+                    pending.parts[unit.part] = audio
+                pending.remaining -= 1
+                if pending.remaining == 0:
+                    finished.append(self.rows.pop(unit.row_key))
+        items, failures = [], []
+        mtime = int(time.time())
+        for pending in sorted(finished, key=lambda p: p.row.index):
+            row = pending.row
+            if pending.error:
+                failures.append({"id": row.id, "row": row.index, "reason": pending.error})
+                continue
+            engine = self.engines.by_voice[pending.voice]
+            audio = self._assemble(pending.parts, engine.sample_rate)
+            key = item_key(row.id)
+            meta = {
+                "id": row.id, "text": row.text, "duration": len(audio) / engine.sample_rate,
+                "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": engine.voice_name,
+                "engine": engine.name, "seed": self.cfg.seed, "row": row.index,
+                "settings": {**engine.describe(), "sentence_silence": self.cfg.sentence_silence,
+                             "normalize": self.cfg.normalize, "cosybatch": __version__},
+            }
+            if self.shard is None:
+                self.shard = ShardWriter(self.cfg.out, self.next_shard)
+                self.next_shard += 1
+            self.shard.add(key, {"wav": wav_bytes(audio, engine.sample_rate),
+                                 "json": json.dumps(meta, ensure_ascii=False).encode()}, mtime)
+            items.append({"id": row.id, "key": key, "row": row.index, "text": row.text,
+                          "voice": engine.voice_name, "duration_s": meta["duration"],
+                          "num_samples": len(audio), "sample_rate": engine.sample_rate})
+        if items:
+            end = self.shard.commit()
+            self.journal.append({"t": "items", "shard": self.shard.index, "end": end, "items": items})
+            stats.items_done += len(items)
+            audio_s = sum(i["duration_s"] for i in items)
+            stats.audio_s += audio_s
+            self.progress.update(len(items), audio_s)
+        if failures:
+            self._commit_failures(failures)
+        if self.shard is not None and (self.shard.items >= self.cfg.shard_max_items
+                                       or self.shard.offset >= self.cfg.shard_max_bytes):
+            self._close_shard()
+        stats.stage_s["write"] += time.monotonic() - t
+
+    def _close_shard(self) -> None:
+        index, items = self.shard.index, self.shard.items
+        self.shard.close()
+        self.journal.append({"t": "closed", "shard": index, "items": items})
+        self.shard = None
+
+    def _assemble(self, parts: list, sample_rate: int) -> np.ndarray:
+        if len(parts) == 1:
+            audio = parts[0]
+        else:
+            gap = np.zeros(int(round(self.cfg.sentence_silence * sample_rate)), dtype=np.float32)
+            pieces = []
+            for i, part in enumerate(parts):
+                if i:
+                    pieces.append(gap)
+                pieces.append(part)
+            audio = np.concatenate(pieces)
+        if self.cfg.normalize:
+            peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
+            audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
+        return audio
+
+    # -- interruption ------------------------------------------------------------------------
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum, _frame):
+            self.interrupted_by = signal.Signals(signum).name
+            self.stop.set()
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore():
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return restore
+
+    # -- the end -----------------------------------------------------------------------------
+    def _finish(self) -> RunResult:
+        interrupted = self.stop.is_set()
+        if not interrupted and self.shard is not None:
+            self._close_shard()
+        elif self.shard is not None:
+            self.shard.abandon()
+        self.journal.close()
+        status = "interrupted" if interrupted else "complete"
+        if not interrupted:
+            self.out.write_manifest()
+            self.out.write_failures()
+        engine = self.engines.by_voice[self.cfg.voice or ""]
+        stats = self.stats.to_dict(
+            status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
+            device=self.device, batch_size_limit=self.batch_size, batch_budget=self.batch_budget,
+            workers=self.workers, cosybatch=__version__,
+        )
+        write_atomic(self.cfg.out / STATS_FILE, json_bytes(stats))
+        if interrupted:
+            log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
+                        self.interrupted_by or "a stop request")
+        return RunResult(status, EXIT_INTERRUPTED if interrupted else EXIT_OK, stats)

@@ -1,0 +1,105 @@
+"""Throughput statistics and progress reporting."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+log = logging.getLogger("cosybatch")
+
+
+@dataclass
+class Stats:
+    """Counters for one invocation; `previous_*` carry what earlier runs of the job did."""
+
+    started: float = field(default_factory=time.monotonic)
+    items_done: int = 0
+    items_failed: int = 0
+    audio_s: float = 0.0
+    batches: int = 0
+    batch_sizes: Counter = field(default_factory=Counter)
+    real_frames: int = 0
+    padded_frames: int = 0
+    stage_s: dict = field(default_factory=lambda: {"load": 0.0, "read": 0.0, "prepare": 0.0, "infer": 0.0, "write": 0.0})
+    previous_items_done: int = 0
+    previous_items_failed: int = 0
+    previous_audio_s: float = 0.0
+
+    def wall_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def to_dict(self, **extra) -> dict:
+        wall = self.wall_s()
+        sizes = sorted(self.batch_sizes.elements())
+        return {
+            "items_done": self.items_done,
+            "items_failed": self.items_failed,
+            "audio_seconds": round(self.audio_s, 3),
+            "wall_seconds": round(wall, 3),
+            "audio_seconds_per_wall_second": round(self.audio_s / wall, 3) if wall > 0 else None,
+            "items_per_second": round(self.items_done / wall, 3) if wall > 0 else None,
+            # Share of computed output frames that were padding (0 = none).
+            "padding_ratio": round(1 - self.real_frames / self.padded_frames, 4) if self.padded_frames else 0.0,
+            "batches": self.batches,
+            "batch_size_mean": round(sum(sizes) / len(sizes), 2) if sizes else 0,
+            "batch_size_max": sizes[-1] if sizes else 0,
+            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            # infer is summed over workers, so it can exceed wall time when workers overlap.
+            "stage_seconds": {k: round(v, 3) for k, v in self.stage_s.items()},
+            "job_totals": {
+                "items_done": self.previous_items_done + self.items_done,
+                "items_failed": self.previous_items_failed + self.items_failed,
+                "audio_seconds": round(self.previous_audio_s + self.audio_s, 3),
+            },
+            **extra,
+        }
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain periodic log lines otherwise (cron, Airflow, CI)."""
+
+    def __init__(self, total: Optional[int], initial: int, mode: str = "auto", every_s: float = 30.0):
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "log"
+        self.mode = mode
+        self.total = total
+        self.initial = initial
+        self.count = initial
+        self.audio_s = 0.0
+        self.every_s = every_s
+        self.started = time.monotonic()
+        self._last_log = self.started
+        self._bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="item", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, items: int, audio_s: float) -> None:
+        self.count += items
+        self.audio_s += audio_s
+        now = time.monotonic()
+        rate = self.audio_s / max(now - self.started, 1e-9)
+        if self._bar is not None:
+            self._bar.update(items)
+            self._bar.set_postfix_str(f"{rate:.1f} audio-s/s", refresh=False)
+        elif self.mode == "log" and now - self._last_log >= self.every_s:
+            self._last_log = now
+            self.log_line(rate)
+
+    def log_line(self, rate: float) -> None:
+        elapsed = time.monotonic() - self.started
+        done = f"{self.count}/{self.total}" if self.total else str(self.count)
+        eta = ""
+        if self.total and self.count:
+            per_item = elapsed / max(self.count - self.initial, 1)
+            eta = f", eta {max(self.total - self.count, 0) * per_item:.0f}s"
+        log.info("progress: %s items, %.1f audio-s/s%s", done, rate, eta)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
