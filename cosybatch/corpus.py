@@ -11,6 +11,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -251,6 +253,18 @@ def _id_or_none(raw_id) -> Optional[str]:
     return str(raw_id)
 
 
+_WHITESPACE = re.compile(r"\s+")
+
+
+def clean_text(text: str) -> str:
+    """The one normalisation applied to every text: control and format characters (NUL, escape
+    codes, zero-width marks) become spaces, runs of whitespace become one space, ends are stripped."""
+    if text.isprintable():
+        return _WHITESPACE.sub(" ", text).strip()
+    chars = (" " if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co") else ch for ch in text)
+    return _WHITESPACE.sub(" ", "".join(chars)).strip()
+
+
 def _make_row(index: int, raw_id, text, voice) -> Union[Row, BadRow]:
     if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
         return BadRow(index, None, f"row {index} has an empty id")
@@ -261,8 +275,9 @@ def _make_row(index: int, raw_id, text, voice) -> Union[Row, BadRow]:
         return BadRow(index, row_id, "text is null")
     if not isinstance(text, str):
         return BadRow(index, row_id, f"text is a {type(text).__name__}, expected a string")
-    if not text.strip():
-        return BadRow(index, row_id, "text is empty")
+    text = clean_text(text)
+    if not text:
+        return BadRow(index, row_id, "text is empty (or only whitespace and control characters)")
     if voice is not None and not isinstance(voice, str):
         return BadRow(index, row_id, f"voice is a {type(voice).__name__}, expected a string")
     return Row(index=index, id=row_id, text=text, voice=voice or None)

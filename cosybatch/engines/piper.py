@@ -378,7 +378,7 @@ class PiperEngine:
         """Text -> pieces of phonemes: sentences, split further where one is over-long."""
         if self.config.phoneme_type == "text":
             return [list(unicodedata.normalize("NFD", text))]
-        limit = max(8, (self.max_piece_ids - 2) // 2)  # ids = 2 x phonemes + 2
+        limit = max(8, (self.max_piece_ids - 3) // 2)  # ids: ^ _ (p _)* $ = 2 x phonemes + 3
         pieces: list[list[str]] = []
         current: list[str] = []
         for phonemes, end_of_sentence in espeak_clauses(self.config.espeak_voice, text):

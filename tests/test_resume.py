@@ -1,0 +1,133 @@
+"""Checkpoint and resume: a killed run loses at most the batch in flight, a rerun finishes with
+every id exactly once, and a rerun with other settings is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, write_parquet
+from helpers import read_output
+
+from cosybatch.checkpoint import Journal
+from cosybatch.config import RunConfig
+from cosybatch.errors import ResumeMismatchError
+from cosybatch.job import run
+
+
+def corpus_rows(n: int) -> list[dict]:
+    lines = [line for line in (ROOT / "examples" / "sentences.txt").read_text().splitlines() if line.strip()]
+    return [{"id": f"utt/{i}", "text": lines[i % len(lines)]} for i in range(n)]
+
+
+def committed_items(out: Path) -> int:
+    return sum(len(r["items"]) for r in Journal.read(out / ".cosybatch" / "journal.jsonl") if r["t"] == "items")
+
+
+def start(corpus: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out), "--shard-max-items", "4",
+         "--progress", "log"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_for_items(out: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while committed_items(out) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "run made no progress"
+        time.sleep(0.05)
+
+
+def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
+    rows = corpus_rows(30)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    proc = start(corpus, out)
+    wait_for_items(out, proc, 9)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = committed_items(out)
+    assert before < len(rows)
+    assert list(out.glob("shard-*.tar.partial")) or list(out.glob("shard-*.tar"))
+
+    result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    assert result.status == "complete"
+    # Committed work was not redone: this run did only what the killed one had not committed.
+    assert result.stats["items_done"] == len(rows) - before
+    items = read_output(out)
+    assert sorted(items) == sorted(r["id"] for r in rows)
+    assert not list(out.glob("*.partial"))
+    for item in items.values():
+        assert len(item["audio"]) == item["meta"]["num_samples"] > 0
+
+
+def test_sigterm_stops_cleanly_and_resumes(tmp_path):
+    rows = corpus_rows(30)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    proc = start(corpus, out)
+    wait_for_items(out, proc, 3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 4, stderr
+    assert "Traceback" not in stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["status"] == "interrupted"
+
+    result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    assert result.status == "complete"
+    assert sorted(read_output(out)) == sorted(r["id"] for r in rows)
+
+
+def test_rerun_of_a_finished_job_does_nothing(tmp_path):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(3))
+    out = tmp_path / "out"
+    run(RunConfig(corpus=corpus, out=out, progress="none"))
+    again = run(RunConfig(corpus=corpus, out=out, progress="none"))
+    assert again.stats["items_done"] == 0
+    assert again.stats["job_totals"]["items_done"] == 3
+    assert len(read_output(out)) == 3
+
+
+def test_rerun_with_other_settings_is_refused_unless_restart(tmp_path):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
+    out = tmp_path / "out"
+    run(RunConfig(corpus=corpus, out=out, progress="none"))
+    with pytest.raises(ResumeMismatchError, match=r"noise_scale was 0.667, now 0.3"):
+        run(RunConfig(corpus=corpus, out=out, noise_scale=0.3, progress="none"))
+    other = write_parquet(tmp_path / "other.parquet", corpus_rows(3))
+    with pytest.raises(ResumeMismatchError, match=r"corpus\.name was 'c.parquet', now 'other.parquet'"):
+        run(RunConfig(corpus=other, out=out, progress="none"))
+    # Settings that do not change the audio may change between runs.
+    run(RunConfig(corpus=corpus, out=out, workers=1, window=5, progress="none"))
+    result = run(RunConfig(corpus=other, out=out, restart=True, progress="none"))
+    assert result.stats["items_done"] == 3
+    assert len(read_output(out)) == 3
+
+
+def test_second_writer_is_refused(tmp_path):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(30))
+    out = tmp_path / "out"
+    proc = start(corpus, out)
+    try:
+        wait_for_items(out, proc, 1)
+        from cosybatch.errors import UsageError
+
+        with pytest.raises(UsageError, match="in use by another cosybatch run"):
+            run(RunConfig(corpus=corpus, out=out, progress="none"))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # The killed run's lock is gone with its process: the next run takes the folder over.
+    result = run(RunConfig(corpus=corpus, out=out, progress="none", limit=2))
+    assert result.status == "complete"
+    os.sync()
