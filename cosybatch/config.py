@@ -59,6 +59,8 @@ class RunConfig:
     """Piper speaking-rate factor (>1 is slower); None takes the voice's default."""
     noise_w: Optional[float] = None
     """Piper duration noise; None takes the voice's default."""
+    conv2d: Optional[bool] = None
+    """Piper: run 1-D convolutions as 2-D ones (same result, ~1.2x faster on CPU); None: on for CPU."""
     sentence_silence: float = 0.0
     """Seconds of silence inserted between the sentences of one row."""
     normalize: bool = True
@@ -103,6 +105,7 @@ class RunConfig:
             "noise_w": self.noise_w,
             "speaker": self.speaker,
             "voice_dir": self.voice_dir,
+            **({} if self.conv2d is None else {"conv2d": self.conv2d}),
         }
 
     @classmethod

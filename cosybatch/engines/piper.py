@@ -197,12 +197,14 @@ class PatchedGraph:
     noise_on_frames: tuple[bool, ...]  # True: time axis is output frames; False: phoneme ids
 
 
-def patch_graph(model_bytes: bytes) -> PatchedGraph:
+def patch_graph(model_bytes: bytes, conv2d: bool = False) -> PatchedGraph:
     import onnx
     from onnx import TensorProto, helper
 
     model = onnx.load_from_string(model_bytes)
     graph = model.graph
+    if conv2d:
+        _convs_as_2d(graph)
     producer = {out: node for node in graph.node for out in node.output}
 
     length_node = None
@@ -257,6 +259,49 @@ def patch_graph(model_bytes: bytes) -> PatchedGraph:
     return PatchedGraph(model.SerializeToString(), length_output, tuple(noise_inputs), tuple(on_frames))
 
 
+def _convs_as_2d(graph) -> int:
+    """Rewrite every 1-D Conv/ConvTranspose as a 2-D one over a height-1 image.
+
+    onnxruntime's CPU provider runs 1-D convolutions through im2col + GEMM but has faster
+    blocked (NCHWc) kernels for 2-D ones; on the VITS decoder this is ~1.2x faster on CPU for
+    the same arithmetic (outputs agree to ~3e-5). Returns how many nodes were rewritten.
+    """
+    from onnx import helper, numpy_helper
+
+    weights = {init.name: init for init in graph.initializer}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    axis = "cosybatch_axis_2"
+    rewritten = []
+    count = 0
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1 else None
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        auto_pad = attrs.get("auto_pad", b"NOTSET")
+        if weight is None or len(weight.dims) != 3 or uses[weight.name] != 1 or auto_pad not in (b"NOTSET", "NOTSET"):
+            rewritten.append(node)
+            continue
+        w = numpy_helper.to_array(weight)
+        weight.CopyFrom(numpy_helper.from_array(w[:, :, None, :], weight.name))
+        for name, value in list(attrs.items()):
+            if name in ("kernel_shape", "strides", "dilations", "output_padding"):
+                attrs[name] = [1] + list(value)
+            elif name == "pads":
+                attrs[name] = [0, value[0], 0, value[1]]
+        x4, y4 = f"{node.output[0]}__in4d", f"{node.output[0]}__out4d"
+        rewritten.append(helper.make_node("Unsqueeze", [node.input[0], axis], [x4]))
+        rewritten.append(helper.make_node(node.op_type, [x4, *node.input[1:]], [y4], name=node.name, **attrs))
+        rewritten.append(helper.make_node("Squeeze", [y4, axis], [node.output[0]]))
+        count += 1
+    if count:
+        graph.initializer.append(numpy_helper.from_array(np.array([2], dtype=np.int64), axis))
+        del graph.node[:]
+        graph.node.extend(rewritten)
+    return count
+
+
 def _ort_errors():
     from onnxruntime.capi import onnxruntime_pybind11_state as state
 
@@ -302,14 +347,16 @@ class PiperEngine:
         self.noise_w = _pick(extra.pop("noise_w", None), self.config.noise_w)
         self.max_piece_ids = int(extra.pop("max_piece_ids", MAX_PIECE_IDS))
         self.speaker = self._speaker_id(extra.pop("speaker", None))
+        providers = _providers(ort, options.device)
+        # The 2-D convolution rewrite is measured on CPU only (benchmarks/cpu_settings.py).
+        self.conv2d = bool(extra.pop("conv2d", providers == ["CPUExecutionProvider"]))
         if extra:
             raise UsageError(f"unknown Piper engine options: {sorted(extra)}")
 
         self.model_sha256 = file_sha256(self.model_path)
-        graph = patch_graph(self.model_path.read_bytes())
+        graph = patch_graph(self.model_path.read_bytes(), conv2d=self.conv2d)
         self._graph = graph
 
-        providers = _providers(ort, options.device)
         so = ort.SessionOptions()
         so.intra_op_num_threads = max(1, options.threads)
         so.inter_op_num_threads = 1
