@@ -63,6 +63,7 @@ def run(
     shard_max_items: int = typer.Option(1000, help=D["shard_max_items"]),
     shard_max_mb: float = typer.Option(256.0, help="Close a shard once it reaches this many MiB."),
     limit: Optional[int] = typer.Option(None, help=D["limit"]),
+    max_failures: Optional[str] = typer.Option(None, help=D["max_failures"]),
     restart: bool = typer.Option(False, "--restart", help=D["restart"]),
     progress: str = typer.Option("auto", help=D["progress"]),
     log_every: float = typer.Option(30.0, help=D["log_every"]),
@@ -80,7 +81,7 @@ def run(
             workers=workers, threads=threads, window=window, seed=seed, noise_scale=noise_scale,
             length_scale=length_scale, noise_w=noise_w, sentence_silence=sentence_silence,
             normalize=normalize, shard_max_items=shard_max_items,
-            shard_max_bytes=max(1, int(shard_max_mb * 1024 * 1024)), limit=limit, restart=restart,
+            shard_max_bytes=max(1, int(shard_max_mb * 1024 * 1024)), limit=limit, max_failures=max_failures, restart=restart,
             progress=progress, log_every=log_every,
         )
         from .job import run as run_job

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -24,13 +24,13 @@ class RunConfig:
     out: Path
     """Output folder: shards, manifest, stats; rerunning on it resumes."""
     format: Optional[str] = None
-    """'parquet' or 'jsonl'; None picks by file suffix."""
+    """'parquet' or 'jsonl'; unset: chosen by file suffix."""
     id_col: Optional[str] = None
-    """Id column; None uses 'id' when present, else the row number."""
+    """Id column; unset: uses 'id' when present, else the row number."""
     text_col: str = "text"
     """Text column."""
     voice_col: Optional[str] = None
-    """Per-row voice column; None uses 'voice' when present."""
+    """Per-row voice column; unset: uses 'voice' when present."""
     engine: str = "piper"
     """Engine name."""
     voice: Optional[str] = None
@@ -42,11 +42,11 @@ class RunConfig:
     device: str = "auto"
     """auto (CUDA when onnxruntime has it, else CPU), cpu or cuda."""
     batch_size: Optional[int] = None
-    """Most units per batch; None: 1 on CPU (fastest there, measured), 64 on GPU."""
+    """Most units per batch; unset: 1 on CPU (fastest there, measured), 64 on GPU."""
     batch_budget: Optional[int] = None
-    """Most padded cost per batch (batch size x longest unit, in phoneme ids); None: batch_size x 256."""
+    """Most padded cost per batch (batch size x longest unit, in phoneme ids); unset: batch size x 256."""
     workers: Optional[int] = None
-    """Inference threads sharing the engine; None: one per CPU core on CPU, 2 on GPU."""
+    """Inference threads sharing the engine; unset: one per CPU core on CPU, 2 on GPU."""
     threads: int = 1
     """Intra-op threads per inference call (CPU)."""
     window: int = 20000
@@ -54,13 +54,13 @@ class RunConfig:
     seed: int = 0
     """Job seed; each item's noise is seeded from (seed, id), so reruns reproduce audio."""
     noise_scale: Optional[float] = None
-    """Piper generator noise; None takes the voice's default."""
+    """Piper generator noise; unset: the voice's default."""
     length_scale: Optional[float] = None
-    """Piper speaking-rate factor (>1 is slower); None takes the voice's default."""
+    """Piper speaking-rate factor (>1 is slower); unset: the voice's default."""
     noise_w: Optional[float] = None
-    """Piper duration noise; None takes the voice's default."""
+    """Piper duration noise; unset: the voice's default."""
     conv2d: Optional[bool] = None
-    """Piper: run 1-D convolutions as 2-D ones (same result, ~1.2x faster on CPU); None: on for CPU."""
+    """Piper: run 1-D convolutions as 2-D ones (same result, ~1.2x faster on CPU); unset: on for CPU."""
     sentence_silence: float = 0.0
     """Seconds of silence inserted between the sentences of one row."""
     normalize: bool = True
@@ -71,6 +71,8 @@ class RunConfig:
     """Close a shard once it reaches this many bytes."""
     limit: Optional[int] = None
     """Read only the first N rows of the corpus."""
+    max_failures: Optional[str] = None
+    """Fail the run (exit 5) past this many failed rows ('100') or this share of rows ('2%')."""
     restart: bool = False
     """Delete the output folder's earlier cosybatch output and start over."""
     progress: str = "auto"
@@ -93,10 +95,29 @@ class RunConfig:
             raise UsageError("--sentence-silence must be >= 0")
         if self.length_scale is not None and self.length_scale <= 0:
             raise UsageError("--length-scale must be > 0")
+        self.failure_limit()
         for name in ("noise_scale", "noise_w"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+
+    def failure_limit(self) -> tuple[Optional[int], Optional[float]]:
+        """(count, rate) from max_failures; at most one is set."""
+        if self.max_failures is None:
+            return None, None
+        text = self.max_failures.strip()
+        try:
+            if text.endswith("%"):
+                rate = float(text[:-1]) / 100
+                if not 0 <= rate <= 1:
+                    raise ValueError
+                return None, rate
+            count = int(text)
+            if count < 0:
+                raise ValueError
+            return count, None
+        except ValueError:
+            raise UsageError(f"--max-failures {self.max_failures!r}: give a count (100) or a percentage (2%)") from None
 
     def engine_extra(self) -> dict:
         return {
@@ -120,7 +141,3 @@ class RunConfig:
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
                 docs[node.target.id] = str(nxt.value.value)
         return docs
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

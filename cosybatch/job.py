@@ -23,7 +23,7 @@ from .checkpoint import STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Columns, Corpus, Row
 from .engines import EngineOptions, RowRejected, open_engine
-from .errors import CosybatchError, EXIT_INTERRUPTED, EXIT_OK
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError
 from .plan import Batch, Unit, plan_batches
 from .shards import ShardWriter, item_key, wav_bytes
 from .stats import Progress, Stats
@@ -115,6 +115,8 @@ class _Job:
         self.stats = Stats()
         self.stop = threading.Event()
         self.interrupted_by: Optional[str] = None
+        self.max_failed, self.max_failed_rate = cfg.failure_limit()
+        self.too_many_failures = False
 
     # -- the straight line -------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -330,6 +332,12 @@ class _Job:
         self.journal.append({"t": "failed", "items": failures})
         self.stats.items_failed += len(failures)
         self.progress.update(len(failures), 0.0)
+        total_failed = self.stats.previous_items_failed + self.stats.items_failed
+        if self.max_failed is not None and total_failed > self.max_failed and not self.too_many_failures:
+            log.error("%d rows failed, more than --max-failures %d: stopping; see %s",
+                      total_failed, self.max_failed, self.cfg.out / "failures.jsonl")
+            self.too_many_failures = True
+            self.stop.set()
 
     def _commit_batch(self, outcome: _Outcome) -> None:
         t = time.monotonic()
@@ -430,15 +438,21 @@ class _Job:
     # -- the end -----------------------------------------------------------------------------
     def _finish(self) -> RunResult:
         interrupted = self.stop.is_set()
+        failed = self.stats.previous_items_failed + self.stats.items_failed
+        done = self.stats.previous_items_done + self.stats.items_done
+        if self.max_failed_rate is not None and failed > self.max_failed_rate * max(done + failed, 1):
+            self.too_many_failures = True
         if not interrupted and self.shard is not None:
             self._close_shard()
         elif self.shard is not None:
             self.shard.abandon()
         self.journal.close()
         status = "interrupted" if interrupted else "complete"
+        self.out.write_failures()
         if not interrupted:
             self.out.write_manifest()
-            self.out.write_failures()
+        if self.too_many_failures:
+            status = "too_many_failures"
         engine = self.engines.by_voice[self.cfg.voice or ""]
         stats = self.stats.to_dict(
             status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
@@ -446,7 +460,10 @@ class _Job:
             workers=self.workers, cosybatch=__version__,
         )
         write_atomic(self.cfg.out / STATS_FILE, json_bytes(stats))
+        if self.too_many_failures:
+            return RunResult(status, EXIT_TOO_MANY_FAILURES, stats)
         if interrupted:
             log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
                         self.interrupted_by or "a stop request")
-        return RunResult(status, EXIT_INTERRUPTED if interrupted else EXIT_OK, stats)
+            return RunResult(status, EXIT_INTERRUPTED, stats)
+        return RunResult(status, EXIT_OK, stats)

@@ -129,3 +129,52 @@ def test_help_is_fast_and_imports_no_engine():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_readme_main_job_on_the_example_corpus(tmp_path):
+    """The README's run command, on the committed example corpus, as a new user runs it."""
+    from conftest import ROOT
+
+    corpus = ROOT / "examples" / "corpus.parquet"
+    out = tmp_path / "out"
+    proc = cli("run", str(corpus), "--out", str(out))
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["status"] == "complete"
+    expected = pq.read_table(corpus).column("id").to_pylist()
+    items = read_output(out)
+    assert sorted(items) == sorted(expected) and len(expected) == 120
+    assert all(i["sample_rate"] == 22050 and len(i["audio"]) > 0 for i in items.values())
+    # The JSONL twin holds the same rows.
+    jsonl_ids = [json.loads(line)["id"] for line in (ROOT / "examples" / "corpus.jsonl").read_text().splitlines()]
+    assert jsonl_ids == expected
+
+
+def test_bad_rows_are_recorded_and_good_rows_still_written(tmp_path, texts):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(
+        json.dumps({"id": "good-1", "text": texts[2]}).encode() + b"\n"
+        + b'{"id": "broken", "text": \n'
+        + json.dumps({"id": "empty", "text": "   "}).encode() + b"\n"
+        + json.dumps({"id": "good-1", "text": texts[3]}).encode() + b"\n"  # duplicate id
+        + json.dumps({"id": "silent", "text": "... - ."}).encode() + b"\n"
+        + json.dumps({"id": "good-2", "text": texts[1]}).encode() + b"\n"
+    )
+    out = tmp_path / "out"
+    proc = cli("run", str(corpus), "--out", str(out))
+    items = read_output(out)
+    assert set(items) == {"good-1", "good-2"}
+    assert items["good-1"]["meta"]["text"] == texts[2]  # the first row with a duplicate id wins
+    failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert [(f["id"], f["row"]) for f in failures] == [(None, 1), ("empty", 2), ("good-1", 3), ("silent", 4)]
+    assert "line 2 is not valid JSON" in failures[0]["reason"]
+    assert "duplicate id" in failures[2]["reason"]
+    assert "nothing pronounceable" in failures[3]["reason"]
+    assert json.loads(proc.stdout.splitlines()[-1])["items_failed"] == 4
+
+    # A failure threshold turns this into a non-zero exit; the committed output stays valid.
+    again = cli("run", str(corpus), "--out", str(tmp_path / "strict"), "--max-failures", "2", check=False)
+    assert again.returncode == 5, again.stderr
+    assert json.loads(again.stdout.splitlines()[-1])["status"] == "too_many_failures"
+    rate = cli("run", str(corpus), "--out", str(tmp_path / "rate"), "--max-failures", "50%", check=False)
+    assert rate.returncode == 5  # 4 of 6 rows failed
+    usage = cli("run", str(corpus), "--out", str(tmp_path / "x"), "--max-failures", "lots", check=False)
+    assert usage.returncode == 2 and "--max-failures" in usage.stderr
