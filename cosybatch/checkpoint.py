@@ -49,6 +49,7 @@ class ResumeState:
     """What the journal says is already done."""
 
     done_ids: set = field(default_factory=set)  # written or failed; never redone
+    failed_rows: set = field(default_factory=set)  # row numbers of failed rows that had no id
     items: int = 0
     failures: int = 0
     audio_s: float = 0.0
@@ -189,7 +190,10 @@ class OutputDir:
                 state.next_shard = max(state.next_shard, shard + 1)
             elif kind == "failed":
                 for item in rec["items"]:
-                    state.done_ids.add(item["id"])
+                    if item["id"] is None:
+                        state.failed_rows.add(item["row"])
+                    else:
+                        state.done_ids.add(item["id"])
                     state.failures += 1
             elif kind == "closed":
                 closed.add(rec["shard"])

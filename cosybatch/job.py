@@ -163,7 +163,7 @@ class _Job:
         restore = self._install_signal_handlers()
         error: Optional[BaseException] = None
         try:
-            self._produce(corpus, state.done_ids, work, results)
+            self._produce(corpus, state.done_ids, state.failed_rows, work, results)
         except BaseException as exc:  # noqa: BLE001 - re-raised below once the pipeline is drained
             error = exc
             self.stop.set()
@@ -198,7 +198,8 @@ class _Job:
         }
 
     # -- main thread: read, prepare, plan ----------------------------------------------------
-    def _produce(self, corpus: Corpus, done_ids: set, work: queue.Queue, results: queue.Queue) -> None:
+    def _produce(self, corpus: Corpus, done_ids: set, failed_rows: set, work: queue.Queue,
+                 results: queue.Queue) -> None:
         cfg = self.cfg
         seen = set(done_ids)
         window_rows = FIRST_WINDOW_ROWS
@@ -215,7 +216,8 @@ class _Job:
             read_s += time.monotonic() - t
             if row is None or (cfg.limit is not None and row.index >= cfg.limit):
                 break
-            if row.id is not None and row.id in done_ids:
+            already_done = row.index in failed_rows if row.id is None else row.id in done_ids
+            if already_done:
                 continue
             if isinstance(row, BadRow):
                 failures.append({"id": row.id, "row": row.index, "reason": row.reason})

@@ -169,6 +169,10 @@ def test_bad_rows_are_recorded_and_good_rows_still_written(tmp_path, texts):
     assert "duplicate id" in failures[2]["reason"]
     assert "nothing pronounceable" in failures[3]["reason"]
     assert json.loads(proc.stdout.splitlines()[-1])["items_failed"] == 4
+    # A rerun redoes nothing and records no failure twice, id-less rows included.
+    rerun = json.loads(cli("run", str(corpus), "--out", str(out)).stdout.splitlines()[-1])
+    assert rerun["items_failed"] == 4 and rerun["items_done"] == 2
+    assert len((out / "failures.jsonl").read_text().splitlines()) == 4
 
     # A failure threshold turns this into a non-zero exit; the committed output stays valid.
     again = cli("run", str(corpus), "--out", str(tmp_path / "strict"), "--max-failures", "2", check=False)
