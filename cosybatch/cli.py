@@ -12,7 +12,7 @@ import typer
 
 from .config import RunConfig
 from .errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,
-                     EXIT_TOO_MANY_FAILURES, EXIT_USAGE, CosybatchError)
+                     EXIT_TOO_MANY_FAILURES, EXIT_USAGE, CosybatchError, UsageError)
 
 EXIT_CODES_HELP = (
     f"Exit codes: {EXIT_OK} complete; {EXIT_USAGE} usage error; {EXIT_BAD_INPUT} bad input data; "
@@ -63,6 +63,8 @@ def run(
     shard_max_items: int = typer.Option(1000, help=D["shard_max_items"]),
     shard_max_mb: float = typer.Option(256.0, help="Close a shard once it reaches this many MiB."),
     limit: Optional[int] = typer.Option(None, help=D["limit"]),
+    max_chars: int = typer.Option(20000, help=D["max_chars"]),
+    max_runtime: Optional[str] = typer.Option(None, help=D["max_runtime"] + " Accepts 90, 90s, 30m, 2h."),
     max_failures: Optional[str] = typer.Option(None, help=D["max_failures"]),
     restart: bool = typer.Option(False, "--restart", help=D["restart"]),
     progress: str = typer.Option("auto", help=D["progress"]),
@@ -81,7 +83,8 @@ def run(
             workers=workers, threads=threads, window=window, seed=seed, noise_scale=noise_scale,
             length_scale=length_scale, noise_w=noise_w, sentence_silence=sentence_silence,
             normalize=normalize, shard_max_items=shard_max_items,
-            shard_max_bytes=max(1, int(shard_max_mb * 1024 * 1024)), limit=limit, max_failures=max_failures, restart=restart,
+            shard_max_bytes=max(1, int(shard_max_mb * 1024 * 1024)), limit=limit, max_chars=max_chars,
+            max_runtime=_seconds(max_runtime, '--max-runtime'), max_failures=max_failures, restart=restart,
             progress=progress, log_every=log_every,
         )
         from .job import run as run_job
@@ -100,6 +103,18 @@ def run(
     )
     print(result.summary_line())
     raise typer.Exit(result.exit_code)
+
+
+def _seconds(text: Optional[str], option: str) -> Optional[float]:
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    value = text.strip().lower()
+    scale = units.get(value[-1:], None)
+    try:
+        return float(value[:-1]) * scale if scale else float(value)
+    except ValueError:
+        raise UsageError(f"{option} {text!r}: give seconds (90), or 90s, 30m, 2h") from None
 
 
 def _stem(path: Path) -> str:

@@ -71,6 +71,10 @@ class RunConfig:
     """Close a shard once it reaches this many bytes."""
     limit: Optional[int] = None
     """Read only the first N rows of the corpus."""
+    max_chars: int = 20000
+    """Rows with longer text fail with a reason (about 20 minutes of speech at the default)."""
+    max_runtime: Optional[float] = None
+    """Stop taking new batches after this many seconds, commit, exit 4 (resumable)."""
     max_failures: Optional[str] = None
     """Fail the run (exit 5) past this many failed rows ('100') or this share of rows ('2%')."""
     restart: bool = False
@@ -82,7 +86,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "batch_budget", "workers", "threads", "window", "shard_max_items",
-                    "shard_max_bytes", "limit")
+                    "shard_max_bytes", "limit", "max_chars")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -96,6 +100,8 @@ class RunConfig:
         if self.length_scale is not None and self.length_scale <= 0:
             raise UsageError("--length-scale must be > 0")
         self.failure_limit()
+        if self.max_runtime is not None and self.max_runtime <= 0:
+            raise UsageError("--max-runtime must be > 0 seconds")
         for name in ("noise_scale", "noise_w"):
             value = getattr(self, name)
             if value is not None and value < 0:

@@ -184,9 +184,17 @@ class Corpus:
         return count + (last != b"\n")
 
     def __iter__(self) -> Iterator[Union[Row, BadRow]]:
-        if self.format == "parquet":
-            return self._iter_parquet()
-        return self._iter_jsonl()
+        import pyarrow as pa
+
+        rows = self._iter_parquet() if self.format == "parquet" else self._iter_jsonl()
+        last = -1
+        try:
+            for row in rows:
+                last = row.index
+                yield row
+        except (OSError, EOFError, pa.ArrowException) as exc:
+            raise CorpusError(f"{self.path}: reading failed after row {last} ({exc}); the file is "
+                              "truncated or corrupt. Rows before it are kept; fix the file and rerun.") from exc
 
     def _iter_parquet(self) -> Iterator[Union[Row, BadRow]]:
         import pyarrow.parquet as pq

@@ -42,3 +42,9 @@ class VoiceError(CosybatchError):
     """A voice cannot be found or loaded."""
 
     exit_code = EXIT_USAGE
+
+
+class OutputError(CosybatchError):
+    """Writing the output failed (disk full, folder gone). Committed work is intact: resumable."""
+
+    exit_code = EXIT_INTERRUPTED

@@ -23,7 +23,8 @@ from .checkpoint import STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Columns, Corpus, Row
 from .engines import EngineOptions, RowRejected, open_engine
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError
+from .errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError, OutputError,
+                     UsageError)
 from .plan import Batch, Unit, plan_batches
 from .shards import ShardWriter, item_key, wav_bytes
 from .stats import Progress, Stats
@@ -37,6 +38,7 @@ _DONE = object()
 @dataclass
 class _PendingRow:
     row: Row
+    text: str  # what is spoken: the row's text after the engine's normalisation
     voice: str
     parts: list  # audio per piece, filled in by finished batches
     remaining: int
@@ -100,12 +102,25 @@ class _Engines:
 
 def run(cfg: RunConfig) -> RunResult:
     out = OutputDir(cfg.out)
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    out.lock()
+    try:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        out.lock()
+    except OSError as exc:
+        raise UsageError(f"cannot use {cfg.out} as the output folder ({exc.strerror or exc}); "
+                         "choose a writable --out") from None
     try:
         return _Job(cfg, out).run()
+    except OSError as exc:
+        raise _output_error(cfg, exc) from exc
     finally:
         out.unlock()
+
+
+def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
+    return OutputError(
+        f"writing to {cfg.out} failed ({exc.strerror or exc}); everything committed before is "
+        "intact: free space or fix the folder, then rerun the same command to resume"
+    )
 
 
 class _Job:
@@ -118,8 +133,28 @@ class _Job:
         self.max_failed, self.max_failed_rate = cfg.failure_limit()
         self.too_many_failures = False
 
-    # -- the straight line -------------------------------------------------------------------
     def run(self) -> RunResult:
+        """Signals and --max-runtime turn into a clean stop from the very start, model load included."""
+        restore = self._install_signal_handlers()
+        timer = None
+        if self.cfg.max_runtime is not None:
+            timer = threading.Timer(self.cfg.max_runtime, self._request_stop, args=("--max-runtime",))
+            timer.daemon = True
+            timer.start()
+        try:
+            return self._run()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            restore()
+
+    def _request_stop(self, why: str) -> None:
+        if not self.stop.is_set():
+            self.interrupted_by = why
+            self.stop.set()
+
+    # -- the straight line -------------------------------------------------------------------
+    def _run(self) -> RunResult:
         cfg = self.cfg
         corpus = Corpus(cfg.corpus, Columns(
             id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
@@ -160,7 +195,6 @@ class _Job:
         writer = threading.Thread(target=self._write_loop, args=(results,), daemon=True, name="writer")
         for t in workers + [writer]:
             t.start()
-        restore = self._install_signal_handlers()
         error: Optional[BaseException] = None
         try:
             self._produce(corpus, state.done_ids, state.failed_rows, work, results)
@@ -174,7 +208,6 @@ class _Job:
                 t.join()
             results.put(_DONE)
             writer.join()
-            restore()
             self.progress.close()
         if self.writer_error is not None:
             error = error or self.writer_error
@@ -228,6 +261,11 @@ class _Job:
                 failures.append({"id": row.id, "row": row.index, "reason": "duplicate id; the first row with it was kept"})
                 continue
             seen.add(row.id)
+            if len(row.text) > cfg.max_chars:
+                failures.append({"id": row.id, "row": row.index, "reason":
+                                 f"text is {len(row.text)} characters, over --max-chars {cfg.max_chars}; "
+                                 "split the row or raise the limit"})
+                continue
             t = time.monotonic()
             try:
                 voice = row.voice or cfg.voice
@@ -242,7 +280,8 @@ class _Job:
             next_key += 1
             group = voice or ""
             with self.rows_lock:
-                self.rows[key] = _PendingRow(row, group, [None] * len(prepared.costs), len(prepared.costs))
+                self.rows[key] = _PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
+                                             len(prepared.costs))
             units.extend(Unit(key, part, cost, group, payload)
                          for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads)))
             rows_in_window += 1
@@ -326,6 +365,10 @@ class _Job:
             # Interrupted: batches after a dropped one still hold finished rows worth keeping.
             for seq in sorted(pending):
                 self._commit_batch(pending.pop(seq))
+        except OSError as exc:
+            # Nothing after the last commit counts; a rerun truncates it away.
+            self.writer_error = _output_error(self.cfg, exc)
+            self.stop.set()
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             self.writer_error = exc
             self.stop.set()
@@ -371,18 +414,20 @@ class _Job:
             audio = self._assemble(pending.parts, engine.sample_rate)
             key = item_key(row.id)
             meta = {
-                "id": row.id, "text": row.text, "duration": len(audio) / engine.sample_rate,
+                "id": row.id, "text": pending.text, "duration": len(audio) / engine.sample_rate,
                 "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": engine.voice_name,
                 "engine": engine.name, "seed": self.cfg.seed, "row": row.index,
                 "settings": {**engine.describe(), "sentence_silence": self.cfg.sentence_silence,
                              "normalize": self.cfg.normalize, "cosybatch": __version__},
             }
+            if pending.text != row.text:
+                meta["source_text"] = row.text
             if self.shard is None:
                 self.shard = ShardWriter(self.cfg.out, self.next_shard)
                 self.next_shard += 1
             self.shard.add(key, {"wav": wav_bytes(audio, engine.sample_rate),
                                  "json": json.dumps(meta, ensure_ascii=False).encode()}, mtime)
-            items.append({"id": row.id, "key": key, "row": row.index, "text": row.text,
+            items.append({"id": row.id, "key": key, "row": row.index, "text": pending.text,
                           "voice": engine.voice_name, "duration_s": meta["duration"],
                           "num_samples": len(audio), "sample_rate": engine.sample_rate})
         if items:
@@ -427,8 +472,7 @@ class _Job:
             return lambda: None
 
         def handler(signum, _frame):
-            self.interrupted_by = signal.Signals(signum).name
-            self.stop.set()
+            self._request_stop(signal.Signals(signum).name)
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 

@@ -28,6 +28,7 @@ class Prepared:
 
     costs: tuple[int, ...]
     payloads: tuple[object, ...]
+    text: str  # the text actually spoken, after the engine's own normalisation
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,51 @@ class VoiceConfig:
 
 
 # --------------------------------------------------------------------------------------------
+# What a voice can speak
+# --------------------------------------------------------------------------------------------
+# Unicode scripts (the first word of a character's Unicode name) by espeak language prefix. Letters
+# of any other script are read out by espeak as "chinese letter", "cyrillic letter" and so on,
+# which no speech dataset wants: such rows fail with a reason instead.
+_SCRIPTS = {
+    "ru": {"CYRILLIC"}, "uk": {"CYRILLIC"}, "bg": {"CYRILLIC"}, "sr": {"CYRILLIC", "LATIN"},
+    "mk": {"CYRILLIC"}, "kk": {"CYRILLIC"}, "ka": {"GEORGIAN"}, "el": {"GREEK"},
+    "ar": {"ARABIC"}, "fa": {"ARABIC"}, "ur": {"ARABIC"}, "he": {"HEBREW"}, "hi": {"DEVANAGARI"},
+    "ne": {"DEVANAGARI"}, "mr": {"DEVANAGARI"}, "bn": {"BENGALI"}, "ta": {"TAMIL"}, "te": {"TELUGU"},
+    "ml": {"MALAYALAM"}, "kn": {"KANNADA"}, "gu": {"GUJARATI"}, "pa": {"GURMUKHI"}, "th": {"THAI"},
+    "zh": {"CJK"}, "cmn": {"CJK"}, "yue": {"CJK"}, "ja": {"CJK", "HIRAGANA", "KATAKANA"},
+    "ko": {"HANGUL"}, "hy": {"ARMENIAN"}, "am": {"ETHIOPIC"},
+}
+# Emoji and pictographs are decoration, not speech: they are removed from the spoken text (and
+# from the stored transcript) rather than read out as "grinning face".
+_EMOJI_EXTRA = {0x200D, 0x20E3} | set(range(0xFE00, 0xFE10)) | set(range(0x1F3FB, 0x1F400))
+
+
+def voice_scripts(espeak_voice: str) -> set[str]:
+    lang = espeak_voice.split("-")[0].lower()
+    return _SCRIPTS.get(lang, {"LATIN"})
+
+
+def strip_emoji(text: str) -> str:
+    if text.isascii():
+        return text
+    kept = "".join(ch for ch in text if unicodedata.category(ch) != "So" and ord(ch) not in _EMOJI_EXTRA)
+    return re.sub(r"\s+", " ", kept).strip()
+
+
+def foreign_letters(text: str, scripts: set[str]) -> list[str]:
+    """Letters of `text` that belong to none of `scripts` (in order, without repeats)."""
+    if text.isascii():
+        return []
+    found: dict[str, None] = {}
+    for ch in text:
+        if unicodedata.category(ch).startswith("L"):
+            script = unicodedata.name(ch, "UNKNOWN").split()[0]
+            if script not in scripts:
+                found.setdefault(ch)
+    return list(found)
+
+
+# --------------------------------------------------------------------------------------------
 # Text -> phonemes (espeak-ng through the bridge that piper-tts ships)
 # --------------------------------------------------------------------------------------------
 _ESPEAK_LOCK = threading.Lock()  # espeak-ng keeps global state: one caller at a time
@@ -341,6 +386,7 @@ class PiperEngine:
             raise VoiceError(f"voice {self.voice_name!r}: phoneme type {self.config.phoneme_type!r} "
                              "is not supported (espeak and text are)")
         self.sample_rate = self.config.sample_rate
+        self.scripts = voice_scripts(self.config.espeak_voice)
         self.seed = options.seed
         self.noise_scale = _pick(extra.pop("noise_scale", None), self.config.noise_scale)
         self.length_scale = _pick(extra.pop("length_scale", None), self.config.length_scale)
@@ -461,6 +507,13 @@ class PiperEngine:
         return np.asarray(ids, dtype=np.int64), missing
 
     def prepare(self, text: str, item_id: str) -> Prepared:
+        text = strip_emoji(text)
+        if self.config.phoneme_type == "espeak":
+            foreign = foreign_letters(text, self.scripts)
+            if foreign:
+                sample = "".join(foreign[:10])
+                raise RowRejected(f"characters this voice ({self.config.espeak_voice}) cannot speak: "
+                                  f"{sample!r}; route the row to a voice for that language")
         costs, payloads = [], []
         for phonemes in self.phonemize(text):
             # Pieces with no letter-like phoneme (only punctuation and spaces) make no sound.
@@ -474,7 +527,7 @@ class PiperEngine:
             costs.append(len(ids))
         if not payloads:
             raise RowRejected("nothing pronounceable in the text for this voice")
-        return Prepared(tuple(costs), tuple(payloads))
+        return Prepared(tuple(costs), tuple(payloads), text)
 
     # -- audio -----------------------------------------------------------------------------
     def _noise(self, pieces: Sequence[Piece], frame_allowance: float) -> dict:

@@ -1,0 +1,210 @@
+"""What production does to a long unattended run: kill -9 at any moment, preemption signals,
+time-boxed slots, a full disk, and hostile input."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, write_jsonl, write_parquet
+from helpers import read_output
+from test_resume import committed_items, corpus_rows, start, wait_for_items
+
+from cosybatch.config import RunConfig
+from cosybatch.errors import CorpusError, OutputError, UsageError
+from cosybatch.job import run
+from cosybatch.shards import ShardWriter
+
+
+def assert_complete(out: Path, rows: list[dict]) -> dict:
+    items = read_output(out)  # every tar opens, every WAV decodes, no id twice
+    assert sorted(items) == sorted(r["id"] for r in rows)
+    assert not list(out.glob("*.partial"))
+    for item in items.values():
+        assert len(item["audio"]) == item["meta"]["num_samples"] > 0
+    return items
+
+
+def test_kill_9_at_random_moments(tmp_path):
+    rows = corpus_rows(40)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    rng = random.Random(1234)
+    done_per_run = []
+    for _ in range(4):
+        before = committed_items(out) if out.exists() else 0
+        proc = start(corpus, out)
+        time.sleep(rng.uniform(0.2, 3.5))  # sometimes during start-up, mostly mid-batch
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        done_per_run.append(committed_items(out) - before if out.exists() else 0)
+    result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    assert result.status == "complete"
+    assert_complete(out, rows)
+    # Committed work is never redone: the runs' commits add up to the corpus exactly.
+    assert sum(done_per_run) + result.stats["items_done"] == len(rows)
+    assert sum(done_per_run) > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signals_end_cleanly_with_exit_4(tmp_path, sig):
+    rows = corpus_rows(30)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    proc = start(corpus, out)
+    wait_for_items(out, proc, 2)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 4, stderr
+    assert "Traceback" not in stderr and "rerun the same command to resume" in stderr
+    assert json.loads(stdout.splitlines()[-1])["status"] == "interrupted"
+    run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    assert_complete(out, rows)
+
+
+def test_signal_during_start_up_is_clean(tmp_path):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(5))
+    proc = start(corpus, tmp_path / "out")
+    time.sleep(0.6)  # interpreter up, model still loading
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode in (4, -15), stderr  # -15 only if the signal beat the handler install
+    assert "Traceback" not in stderr
+
+
+def test_max_runtime_ends_resumable(tmp_path):
+    rows = corpus_rows(40)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out),
+                           "--max-runtime", "3s"], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 20
+    assert proc.returncode == 4, proc.stderr
+    assert "--max-runtime" in proc.stderr
+    assert 0 < committed_items(out) < len(rows)
+    run(RunConfig(corpus=corpus, out=out, progress="none"))
+    assert_complete(out, rows)
+
+
+def test_disk_full_fault_keeps_committed_work_and_resumes(tmp_path, monkeypatch):
+    rows = corpus_rows(12)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    real_add = ShardWriter.add
+    calls = {"n": 0}
+
+    def add_then_fail(self, key, members, mtime):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            # Half an item reaches the disk, then the disk is full.
+            self._file.write(b"\\0" * 700)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add(self, key, members, mtime)
+
+    monkeypatch.setattr(ShardWriter, "add", add_then_fail)
+    with pytest.raises(OutputError, match="No space left on device.*rerun the same command to resume"):
+        run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    assert committed_items(out) == 5
+    monkeypatch.setattr(ShardWriter, "add", real_add)
+    result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    assert result.stats["items_done"] == 7
+    assert_complete(out, rows)
+
+
+def _can_mount_tmpfs(path: Path) -> bool:
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_real_full_disk_then_more_space(tmp_path):
+    mnt = tmp_path / "small"
+    if not _can_mount_tmpfs(mnt):
+        pytest.skip("cannot mount a tmpfs here (needs root); the fault-injection test covers this path")
+    try:
+        rows = corpus_rows(30)  # ~6 MB of audio into a 3 MB disk
+        corpus = write_parquet(tmp_path / "c.parquet", rows)
+        out = mnt / "out"
+        proc = subprocess.run([sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out),
+                               "--shard-max-items", "4"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 4, proc.stderr
+        assert "No space left on device" in proc.stderr and "Traceback" not in proc.stderr
+        assert 0 < committed_items(out) < len(rows)
+        read_output(out)  # what was committed and closed is whole
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
+        result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+        assert result.status == "complete"
+        assert_complete(out, rows)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_unwritable_output_is_a_usage_error(tmp_path):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(1))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UsageError, match="choose a writable --out"):
+        run(RunConfig(corpus=corpus, out=blocker / "out", progress="none"))
+
+
+def test_hostile_text(tmp_path):
+    rows = [
+        {"id": "emoji", "text": "Good news \U0001F389\U0001F44D\U0001F3FD everyone!"},
+        {"id": "chinese", "text": "This has 中文 in it."},
+        {"id": "only-emoji", "text": "\U0001F600\U0001F600"},
+        {"id": "huge", "text": "word " * 5000},
+        {"id": "ctrl", "text": "Bell\x07 and\x1b[0m escape."},
+        {"id": "../../etc/passwd", "text": "Path-like id."},
+        {"id": "fine", "text": "Nothing odd here."},
+    ]
+    corpus = write_jsonl(tmp_path / "c.jsonl", rows)
+    out = tmp_path / "out"
+    result = run(RunConfig(corpus=corpus, out=out, max_chars=10000, progress="none"))
+    items = read_output(out)
+    assert set(items) == {"emoji", "ctrl", "../../etc/passwd", "fine"}
+    assert items["emoji"]["meta"]["text"] == "Good news everyone!"
+    assert items["emoji"]["meta"]["source_text"] == rows[0]["text"]
+    assert items["ctrl"]["meta"]["text"] == "Bell and [0m escape."
+    assert "/" not in items["../../etc/passwd"]["key"] and not list(tmp_path.rglob("passwd*"))
+    reasons = {json.loads(x)["id"]: json.loads(x)["reason"] for x in (out / "failures.jsonl").read_text().splitlines()}
+    assert "cannot speak: '中文'" in reasons["chinese"]
+    assert "nothing pronounceable" in reasons["only-emoji"]
+    assert "over --max-chars 10000" in reasons["huge"]
+    assert result.stats["items_failed"] == 3
+
+
+def test_truncated_corpus_is_a_bad_input_error(tmp_path):
+    from cosybatch.corpus import Corpus
+
+    data = gzip.compress("".join(json.dumps({"id": i, "text": f"row {i}"}) + "\n" for i in range(3000)).encode())
+    path = tmp_path / "c.jsonl.gz"
+    path.write_bytes(data[: len(data) * 2 // 3])
+    corpus = Corpus(path)  # the first rows read fine
+    with pytest.raises(CorpusError, match=r"c.jsonl.gz: reading failed after row \d+ .*truncated or corrupt"):
+        list(corpus)
+    tiny = tmp_path / "tiny.jsonl.gz"
+    tiny.write_bytes(data[:200])
+    proc = subprocess.run([sys.executable, "-m", "cosybatch", "run", str(tiny), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "tiny.jsonl.gz: cannot read the file" in proc.stderr
+
+
+def test_usage_errors_exit_2():
+    cases = [["run", "nope.parquet", "--batch-size", "0"], ["run", "x.parquet", "--max-runtime", "soon"],
+             ["run", "--no-such-option"]]
+    for args in cases:
+        proc = subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (args, proc.stderr)
+    missing = subprocess.run([sys.executable, "-m", "cosybatch", "run", str(ROOT / "nope.parquet")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 3 and "no such corpus file" in missing.stderr
