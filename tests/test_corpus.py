@@ -120,3 +120,20 @@ def test_keys_do_not_collide_on_sanitised_ids():
     ids = ["a/b", "a.b", "a_b", "a b", "../../etc/passwd", "ü", "ü" * 200]
     keys = [item_key(i) for i in ids]
     assert len(set(keys)) == len(ids)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.none(), st.text(max_size=12), st.integers(-5, 10**9)),
+                          st.one_of(st.none(), st.text(max_size=40))), max_size=60))
+def test_parquet_reader_accounts_for_every_row(tmp_path_factory, rows):
+    path = tmp_path_factory.mktemp("p") / "c.parquet"
+    ids = [None if i is None else str(i) for i, _ in rows]
+    pq.write_table(pa.table({"id": pa.array(ids, pa.string()), "text": pa.array([t for _, t in rows], pa.string())}), path)
+    out = list(Corpus(path))
+    assert [r.index for r in out] == list(range(len(rows)))  # one result per row, in order
+    for r, (raw_id, text) in zip(out, rows):
+        if isinstance(r, Row):
+            assert r.id == str(raw_id) and r.text and text is not None
+        else:
+            assert r.reason
+            assert raw_id is None or not str(raw_id).strip() or text is None or not text.strip() or not text.isprintable()
