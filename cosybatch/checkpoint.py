@@ -27,6 +27,7 @@ LOCK_FILE = "lock"
 MANIFEST_FILE = "manifest.parquet"
 FAILURES_FILE = "failures.jsonl"
 STATS_FILE = "stats.json"
+RUN_FILE = "run.json"  # under .cosybatch/: pid, start time and row total of the latest run
 JOB_FORMAT = 1
 
 
@@ -137,6 +138,7 @@ class OutputDir:
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
+            os.ftruncate(self._lock_fd, 0)  # no pid: `cosybatch status` shows the job as not running
             os.close(self._lock_fd)
             self._lock_fd = None
 

@@ -3,6 +3,7 @@ it imports no engine (so no onnxruntime, torch or CUDA) until a run starts."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -36,9 +37,16 @@ def _root(
         raise typer.Exit(0)
 
 
+PATH_OPTIONS = ("corpus", "out", "voice_dir", "metrics_file")
+NOT_IN_SPECS = ("ctx", "job", "check")
+
+
 @app.command(epilog=EXIT_CODES_HELP)
 def run(
-    corpus: Path = typer.Argument(..., help=D["corpus"], show_default=False),
+    ctx: typer.Context,
+    corpus: Optional[Path] = typer.Argument(None, help=D["corpus"] + " (or `corpus` in --job)", show_default=False),
+    job: Optional[Path] = typer.Option(None, "--job", help="TOML or YAML file holding any of these options; "
+                                       "flags given here override it."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help=D["out"] + " [default: out/CORPUS-STEM]"),
     format: Optional[str] = typer.Option(None, "--format", help=D["format"]),
     id_col: Optional[str] = typer.Option(None, help=D["id_col"]),
@@ -66,27 +74,33 @@ def run(
     max_chars: int = typer.Option(20000, help=D["max_chars"]),
     max_runtime: Optional[str] = typer.Option(None, help=D["max_runtime"] + " Accepts 90, 90s, 30m, 2h."),
     max_failures: Optional[str] = typer.Option(None, help=D["max_failures"]),
+    shard: Optional[str] = typer.Option(None, help="Run worker I of N (I/N), writing OUT/part-IIIII-of-NNNNN. "
+                                        "N alone takes I from JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID."),
+    metrics_file: Optional[Path] = typer.Option(None, help=D["metrics_file"]),
+    pushgateway: Optional[str] = typer.Option(None, help=D["pushgateway"]),
+    export: Optional[str] = typer.Option(None, help="Comma-separated dataset formats to write at the end: "
+                                         "hf, nemo, lhotse."),
     restart: bool = typer.Option(False, "--restart", help=D["restart"]),
     progress: str = typer.Option("auto", help=D["progress"]),
     log_every: float = typer.Option(30.0, help=D["log_every"]),
+    check: bool = typer.Option(False, "--check", help="Check the options, job spec, corpus columns and voice, "
+                               "print the resolved settings as JSON, and exit without synthesising."),
 ) -> None:
     """Synthesise every row of CORPUS into WAV shards under --out; rerun to resume.
 
     The last line on stdout is a one-line JSON summary.
     """
     _setup_logging()
+    values = {k: v for k, v in locals().items() if k not in NOT_IN_SPECS}
     try:
-        cfg = RunConfig(
-            corpus=corpus, out=out or Path("out") / _stem(corpus), format=format, id_col=id_col,
-            text_col=text_col, voice_col=voice_col, engine=engine, voice=voice, voice_dir=voice_dir,
-            speaker=speaker, device=device, batch_size=batch_size, batch_budget=batch_budget,
-            workers=workers, threads=threads, window=window, seed=seed, noise_scale=noise_scale,
-            length_scale=length_scale, noise_w=noise_w, sentence_silence=sentence_silence,
-            normalize=normalize, shard_max_items=shard_max_items,
-            shard_max_bytes=max(1, int(shard_max_mb * 1024 * 1024)), limit=limit, max_chars=max_chars,
-            max_runtime=_seconds(max_runtime, '--max-runtime'), max_failures=max_failures, restart=restart,
-            progress=progress, log_every=log_every,
-        )
+        if job is not None:
+            values.update(_spec_values(ctx, job))
+        cfg = _build_config(values)
+        if check:
+            from .job import check as check_job
+
+            print(json.dumps(check_job(cfg), default=str))
+            raise typer.Exit(EXIT_OK)
         from .job import run as run_job
 
         result = run_job(cfg)
@@ -98,23 +112,132 @@ def run(
     print(
         f"cosybatch: {result.status}: {s['items_done']} items ({s['audio_seconds']:.1f} audio-s) in "
         f"{s['wall_seconds']:.1f} s, {s['audio_seconds_per_wall_second'] or 0:.1f} audio-s/s, "
-        f"{s['items_failed']} failed; padding {s['padding_ratio']:.1%}; output in {cfg.out}",
+        f"{s['items_failed']} failed; padding {s['padding_ratio']:.1%}; output in {s['out']}",
         file=sys.stderr,
     )
     print(result.summary_line())
     raise typer.Exit(result.exit_code)
 
 
+def _spec_values(ctx: typer.Context, job: Path) -> dict:
+    """Spec values for every option not given on the command line, checked against the type of
+    the matching flag."""
+    import difflib
+    import typing
+
+    from .jobspec import load_job_spec
+
+    hints = {k: v for k, v in typing.get_type_hints(run).items() if k not in NOT_IN_SPECS and k != "return"}
+    values = {}
+    for key, value in load_job_spec(job).items():
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; options are: {', '.join(sorted(hints))}"
+            raise UsageError(f"--job {job}: unknown key {key!r}{hint}")
+        source = ctx.get_parameter_source(key)
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            continue  # a flag on the command line overrides the spec
+        if key == "export" and isinstance(value, list):
+            value = ",".join(map(str, value))
+        values[key] = _typed(job, key, value, hints[key])
+    return values
+
+
+def _typed(job: Path, key: str, value, hint):
+    """A spec value as the flag's type: int, float, bool, str or Path (each maybe Optional)."""
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    target = args[0] if args else hint
+    if value is None and args:
+        return None
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, (str, int, float)) and not isinstance(value, bool),
+        Path: isinstance(value, str),
+    }.get(target, False)
+    if not ok:
+        raise UsageError(f"--job {job}: {key} = {value!r} should be a {getattr(target, '__name__', target)}")
+    return target(value)
+
+
+def _build_config(v: dict) -> RunConfig:
+    from .distributed import parse_shard
+
+    if v["corpus"] is None:
+        raise UsageError("no corpus: give CORPUS or `corpus` in the --job spec")
+    shard_index, shard_count = parse_shard(v.pop("shard"))
+    max_runtime = _seconds(v.pop("max_runtime"), "--max-runtime")
+    export = tuple(x.strip() for x in (v.pop("export") or "").split(",") if x.strip())
+    shard_max_bytes = max(1, int(v.pop("shard_max_mb") * 1024 * 1024))
+    out = v.pop("out") or Path("out") / _stem(v["corpus"])
+    return RunConfig(**v, out=out, shard_index=shard_index, shard_count=shard_count, max_runtime=max_runtime,
+                     export=export, shard_max_bytes=shard_max_bytes)
+
+
+@app.command()
+def status(
+    out: Path = typer.Argument(..., help="A job's output folder (or a sharded job's root)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a line of text."),
+) -> None:
+    """Show done/failed/total, rate and ETA of a running or finished job without disturbing it."""
+    from .status import describe, job_status
+
+    try:
+        result = job_status(out)
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    print(json.dumps(result) if as_json else describe(result))
+
+
+@app.command()
+def merge(
+    root: Path = typer.Argument(..., help="The --out folder of a job run with --shard."),
+    partial: bool = typer.Option(False, "--partial", help="Merge the finished parts even if some are not."),
+) -> None:
+    """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet."""
+    from .distributed import merge as merge_parts
+
+    try:
+        result = merge_parts(root, allow_partial=partial)
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    print(json.dumps(result))
+
+
+@app.command("export")
+def export_cmd(
+    out: Path = typer.Argument(..., help="A finished output folder (or a sharded job's root)."),
+    to: str = typer.Option(..., "--to", help="Comma-separated formats: hf, nemo, lhotse."),
+) -> None:
+    """Write the dataset in other formats under OUT/exports/."""
+    from .exports import export
+
+    try:
+        written = {fmt: str(export(out, fmt.strip())) for fmt in to.split(",") if fmt.strip()}
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    print(json.dumps(written))
+
+
 def _seconds(text: Optional[str], option: str) -> Optional[float]:
+    """'90', '90s', '30m', '2h', '7h50m' -> seconds."""
+    import re
+
     if text is None:
         return None
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     value = text.strip().lower()
-    scale = units.get(value[-1:], None)
     try:
-        return float(value[:-1]) * scale if scale else float(value)
+        return float(value)
     except ValueError:
-        raise UsageError(f"{option} {text!r}: give seconds (90), or 90s, 30m, 2h") from None
+        pass
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhd])", value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise UsageError(f"{option} {text!r}: give seconds (90), or 90s, 30m, 2h, 7h50m")
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    return sum(float(n) * units[u] for n, u in parts)
 
 
 def _stem(path: Path) -> str:
@@ -132,8 +255,6 @@ def _setup_logging() -> None:
 
 def _fail(message: str, code: int) -> None:
     print(f"cosybatch: error: {message}", file=sys.stderr)
-    import json
-
     print(json.dumps({"status": "error", "exit_code": code, "error": message}))
     raise typer.Exit(code)
 

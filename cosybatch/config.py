@@ -77,6 +77,16 @@ class RunConfig:
     """Stop taking new batches after this many seconds, commit, exit 4 (resumable)."""
     max_failures: Optional[str] = None
     """Fail the run (exit 5) past this many failed rows ('100') or this share of rows ('2%')."""
+    shard_index: Optional[int] = None
+    """This worker's shard (0-based) when the corpus is split over shard_count workers."""
+    shard_count: Optional[int] = None
+    """Number of workers the corpus is split over by a stable hash of each id."""
+    metrics_file: Optional[Path] = None
+    """Prometheus textfile (for node_exporter), rewritten atomically during and after the run."""
+    pushgateway: Optional[str] = None
+    """Prometheus Pushgateway URL to push the final metrics to."""
+    export: tuple = ()
+    """Dataset formats to write at the end besides WebDataset: hf, nemo, lhotse."""
     restart: bool = False
     """Delete the output folder's earlier cosybatch output and start over."""
     progress: str = "auto"
@@ -100,6 +110,13 @@ class RunConfig:
         if self.length_scale is not None and self.length_scale <= 0:
             raise UsageError("--length-scale must be > 0")
         self.failure_limit()
+        if (self.shard_index is None) != (self.shard_count is None):
+            raise UsageError("give both the shard index and the shard count (--shard I/N)")
+        if self.shard_count is not None and not 0 <= self.shard_index < self.shard_count:
+            raise UsageError(f"--shard {self.shard_index}/{self.shard_count}: the index must be in 0..{self.shard_count - 1}")
+        unknown = set(self.export) - {"hf", "nemo", "lhotse"}
+        if unknown:
+            raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from hf, nemo, lhotse")
         if self.max_runtime is not None and self.max_runtime <= 0:
             raise UsageError("--max-runtime must be > 0 seconds")
         for name in ("noise_scale", "noise_w"):

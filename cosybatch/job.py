@@ -9,29 +9,33 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
 
 from . import __version__
-from .checkpoint import STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
+from .checkpoint import RUN_FILE, STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Columns, Corpus, Row
+from .distributed import part_name, shard_of
 from .engines import EngineOptions, RowRejected, open_engine
 from .errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError, OutputError,
                      UsageError)
 from .plan import Batch, Unit, plan_batches
 from .shards import ShardWriter, item_key, wav_bytes
+from .metrics import BatchHistogram
 from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
 
 FIRST_WINDOW_ROWS = 64  # the first window is small so audio starts flowing at once
+METRICS_EVERY_S = 10.0  # how often the Prometheus textfile is refreshed during a run
 _DONE = object()
 
 
@@ -101,6 +105,9 @@ class _Engines:
 
 
 def run(cfg: RunConfig) -> RunResult:
+    if cfg.shard_count is not None:
+        # Each worker owns a self-contained folder; `cosybatch merge` presents them as one.
+        cfg = replace(cfg, out=cfg.out / part_name(cfg.shard_index, cfg.shard_count))
     out = OutputDir(cfg.out)
     try:
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -114,6 +121,30 @@ def run(cfg: RunConfig) -> RunResult:
         raise _output_error(cfg, exc) from exc
     finally:
         out.unlock()
+
+
+def open_corpus(cfg: RunConfig) -> Corpus:
+    return Corpus(cfg.corpus, Columns(
+        id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
+        id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None), cfg.format)
+
+
+def check(cfg: RunConfig) -> dict:
+    """Everything a run checks before its first batch, without loading a model: options, corpus
+    format and columns, engine and voice. Returns the resolved settings."""
+    from dataclasses import asdict
+
+    from .engines import ENGINES
+
+    corpus = open_corpus(cfg)
+    if cfg.engine not in ENGINES:
+        raise UsageError(f"unknown engine {cfg.engine!r}; choose one of: {', '.join(sorted(ENGINES))}")
+    voice = None
+    if cfg.engine == "piper":
+        from .engines.piper import resolve_voice
+
+        voice = resolve_voice(cfg.voice, cfg.voice_dir)[0]
+    return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows}, "voice": voice}
 
 
 def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
@@ -131,6 +162,8 @@ class _Job:
         self.stop = threading.Event()
         self.interrupted_by: Optional[str] = None
         self.max_failed, self.max_failed_rate = cfg.failure_limit()
+        self.batch_seconds = BatchHistogram()
+        self._metrics_written = 0.0
         self.too_many_failures = False
 
     def run(self) -> RunResult:
@@ -156,9 +189,7 @@ class _Job:
     # -- the straight line -------------------------------------------------------------------
     def _run(self) -> RunResult:
         cfg = self.cfg
-        corpus = Corpus(cfg.corpus, Columns(
-            id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
-            id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None), cfg.format)
+        corpus = open_corpus(cfg)
 
         t0 = time.monotonic()
         self.engines = _Engines(cfg, EngineOptions(cfg.device, cfg.threads, cfg.seed, cfg.engine_extra()))
@@ -180,6 +211,12 @@ class _Job:
         total = corpus.num_rows
         if total is not None and cfg.limit:
             total = min(total, cfg.limit)
+        if total is not None and cfg.shard_count is not None:
+            total = -(-total // cfg.shard_count)  # an estimate: ids spread evenly over workers
+        write_atomic(self.out.state / RUN_FILE, json_bytes({
+            "pid": os.getpid(), "started": time.time(), "corpus": str(cfg.corpus.resolve()),
+            "total_rows": total, "total_is_estimate": cfg.shard_count is not None,
+            "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count]}))
         self.progress = Progress(total, state.items + state.failures, cfg.progress, cfg.log_every)
         self.journal = Journal(self.out.journal_path)
         self.shard = ShardWriter(cfg.out, state.open_shard, state.open_offset, state.open_items) \
@@ -228,6 +265,7 @@ class _Job:
             "seed": cfg.seed,
             "sentence_silence": cfg.sentence_silence,
             "normalize": cfg.normalize,
+            "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
         }
 
     # -- main thread: read, prepare, plan ----------------------------------------------------
@@ -249,6 +287,9 @@ class _Job:
             read_s += time.monotonic() - t
             if row is None or (cfg.limit is not None and row.index >= cfg.limit):
                 break
+            if cfg.shard_count is not None and shard_of(row.id if row.id is not None else f"#row{row.index}",
+                                                        cfg.shard_count) != cfg.shard_index:
+                continue  # another worker's row
             already_done = row.index in failed_rows if row.id is None else row.id in done_ids
             if already_done:
                 continue
@@ -374,7 +415,7 @@ class _Job:
             self.stop.set()
 
     def _commit_failures(self, failures: list[dict]) -> None:
-        self.journal.append({"t": "failed", "items": failures})
+        self.journal.append({"t": "failed", "ts": round(time.time(), 3), "items": failures})
         self.stats.items_failed += len(failures)
         self.progress.update(len(failures), 0.0)
         total_failed = self.stats.previous_items_failed + self.stats.items_failed
@@ -392,6 +433,7 @@ class _Job:
         stats.real_frames += outcome.real_frames
         stats.padded_frames += outcome.padded_frames
         stats.stage_s["infer"] += outcome.infer_s
+        self.batch_seconds.observe(outcome.infer_s)
         finished: list[_PendingRow] = []
         with self.rows_lock:
             for unit, audio in zip(outcome.batch.units, outcome.audio):
@@ -432,7 +474,8 @@ class _Job:
                           "num_samples": len(audio), "sample_rate": engine.sample_rate})
         if items:
             end = self.shard.commit()
-            self.journal.append({"t": "items", "shard": self.shard.index, "end": end, "items": items})
+            self.journal.append({"t": "items", "ts": round(time.time(), 3), "shard": self.shard.index,
+                                 "end": end, "items": items})
             stats.items_done += len(items)
             audio_s = sum(i["duration_s"] for i in items)
             stats.audio_s += audio_s
@@ -443,6 +486,8 @@ class _Job:
                                        or self.shard.offset >= self.cfg.shard_max_bytes):
             self._close_shard()
         stats.stage_s["write"] += time.monotonic() - t
+        if self.cfg.metrics_file is not None and time.monotonic() - self._metrics_written >= METRICS_EVERY_S:
+            self._write_metrics(self._snapshot("running"))
 
     def _close_shard(self) -> None:
         index, items = self.shard.index, self.shard.items
@@ -482,6 +527,30 @@ class _Job:
         return restore
 
     # -- the end -----------------------------------------------------------------------------
+    def _snapshot(self, status: str) -> dict:
+        engine = self.engines.by_voice[self.cfg.voice or ""]
+        return self.stats.to_dict(
+            status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
+            device=self.device, batch_size_limit=self.batch_size, batch_budget=self.batch_budget,
+            workers=self.workers, cosybatch=__version__,
+            shard=None if self.cfg.shard_count is None else [self.cfg.shard_index, self.cfg.shard_count],
+        )
+
+    def _metrics_registry(self, snapshot: dict):
+        from .metrics import registry
+
+        labels = {"job": self.cfg.out.name}
+        if self.cfg.shard_count is not None:
+            labels["job"] = self.cfg.out.parent.name  # the job, not the part folder
+            labels["shard"] = f"{self.cfg.shard_index}/{self.cfg.shard_count}"
+        return registry(snapshot, self.batch_seconds, labels)
+
+    def _write_metrics(self, snapshot: dict) -> None:
+        from .metrics import write_textfile
+
+        self._metrics_written = time.monotonic()
+        write_textfile(self.cfg.metrics_file, self._metrics_registry(snapshot))
+
     def _finish(self) -> RunResult:
         interrupted = self.stop.is_set()
         failed = self.stats.previous_items_failed + self.stats.items_failed
@@ -493,19 +562,27 @@ class _Job:
         elif self.shard is not None:
             self.shard.abandon()
         self.journal.close()
-        status = "interrupted" if interrupted else "complete"
         self.out.write_failures()
         if not interrupted:
             self.out.write_manifest()
-        if self.too_many_failures:
-            status = "too_many_failures"
-        engine = self.engines.by_voice[self.cfg.voice or ""]
-        stats = self.stats.to_dict(
-            status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
-            device=self.device, batch_size_limit=self.batch_size, batch_budget=self.batch_budget,
-            workers=self.workers, cosybatch=__version__,
-        )
+        status = "too_many_failures" if self.too_many_failures else "interrupted" if interrupted else "complete"
+        if status == "complete" and self.cfg.export:
+            from .exports import export
+
+            for fmt in self.cfg.export:
+                export(self.cfg.out, fmt)
+        stats = self._snapshot(status)
         write_atomic(self.cfg.out / STATS_FILE, json_bytes(stats))
+        if self.cfg.metrics_file is not None:
+            self._write_metrics(stats)
+        if self.cfg.pushgateway:
+            from .metrics import push
+
+            try:
+                push(self.cfg.pushgateway, self._metrics_registry(stats), job="cosybatch",
+                     grouping={"instance": self.cfg.out.name})
+            except OSError as exc:  # the audio is safe; a monitoring outage must not fail the job
+                log.error("could not push metrics to %s: %s", self.cfg.pushgateway, exc)
         if self.too_many_failures:
             return RunResult(status, EXIT_TOO_MANY_FAILURES, stats)
         if interrupted:

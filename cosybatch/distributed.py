@@ -1,0 +1,108 @@
+"""Splitting one job over many workers with the schedulers teams already run (Kubernetes Indexed
+Jobs, Airflow task mapping, SLURM arrays), and presenting their outputs as one dataset.
+
+Each id goes to exactly one of N workers by a stable hash, so any worker can be rerun alone and
+the union of all workers is the whole corpus, disjoint. Worker I writes a self-contained output
+folder `OUT/part-IIIII-of-NNNNN/`; `cosybatch merge OUT` lists all parts in one manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Mapping, Optional
+
+from .errors import CorpusError, UsageError
+
+INDEX_VARIABLES = ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "COSYBATCH_SHARD_INDEX")
+
+
+def shard_of(item_id: str, count: int) -> int:
+    """Stable across processes, machines and Python versions (unlike hash())."""
+    digest = hashlib.blake2b(item_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % count
+
+
+def parse_shard(spec: Optional[str], env: Mapping[str, str] = os.environ) -> tuple[Optional[int], Optional[int]]:
+    """`I/N` -> (I, N). `N` alone takes I from the scheduler's index variable. None -> (None, None)."""
+    if spec is None:
+        return None, None
+    text = spec.strip()
+    try:
+        if "/" in text:
+            index_text, count_text = text.split("/", 1)
+            return int(index_text), int(count_text)
+        count = int(text)
+    except ValueError:
+        raise UsageError(f"--shard {spec!r}: use I/N (worker I of N) or N (index from the scheduler)") from None
+    for name in INDEX_VARIABLES:
+        if env.get(name, "").strip():
+            index = int(env[name])
+            if name == "SLURM_ARRAY_TASK_ID":
+                index -= int(env.get("SLURM_ARRAY_TASK_MIN", "0") or 0)
+            return index, count
+    raise UsageError(f"--shard {spec}: no worker index in the environment ({', '.join(INDEX_VARIABLES)}); "
+                     "use --shard I/N")
+
+
+def part_name(index: int, count: int) -> str:
+    return f"part-{index:05d}-of-{count:05d}"
+
+
+def output_dirs(root: Path) -> list[Path]:
+    """The job folders under `root`: itself, or its part-* folders for a sharded job."""
+    root = Path(root)
+    if (root / ".cosybatch").is_dir():
+        return [root]
+    return sorted(p for p in root.glob("part-*-of-*") if (p / ".cosybatch").is_dir())
+
+
+def merge(root: Path, allow_partial: bool = False) -> dict:
+    """Write ROOT/manifest.parquet listing every part's items (shard paths relative to ROOT) and
+    ROOT/failures.jsonl; refuse when parts are missing or unfinished unless `allow_partial`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .checkpoint import FAILURES_FILE, MANIFEST_FILE, STATS_FILE, write_atomic
+
+    root = Path(root)
+    parts = sorted(root.glob("part-*-of-*"))
+    if not parts:
+        raise UsageError(f"{root} has no part-*-of-* folders to merge; merge is for jobs run with --shard")
+    counts = {int(p.name.split("-of-")[1]) for p in parts}
+    if len(counts) != 1:
+        raise UsageError(f"{root} mixes jobs split into different worker counts: {sorted(counts)}")
+    count = counts.pop()
+    problems = []
+    present = {int(p.name.split("-")[1]) for p in parts}
+    missing = sorted(set(range(count)) - present)
+    if missing:
+        problems.append(f"parts {missing} of {count} are missing")
+    tables, failures = [], []
+    for part in parts:
+        stats_path = part / STATS_FILE
+        status = json.loads(stats_path.read_text()).get("status") if stats_path.exists() else None
+        if status != "complete" or not (part / MANIFEST_FILE).exists():
+            problems.append(f"{part.name} is not complete (status: {status or 'never finished'})")
+            continue
+        table = pq.read_table(part / MANIFEST_FILE)
+        shards = [f"{part.name}/{s}" for s in table.column("shard").to_pylist()]
+        tables.append(table.set_column(table.schema.get_field_index("shard"), "shard", pa.array(shards)))
+        if (part / FAILURES_FILE).exists():
+            failures.extend(line for line in (part / FAILURES_FILE).read_text().splitlines() if line)
+    if problems and not allow_partial:
+        raise UsageError(f"cannot merge {root}: " + "; ".join(problems) + ". Run the missing workers "
+                         "(each resumes), or pass --partial to merge what is finished.")
+    table = pa.concat_tables(tables) if tables else None
+    ids = table.column("id").to_pylist() if table is not None else []
+    if len(ids) != len(set(ids)):
+        raise CorpusError(f"{root}: the parts share ids; were they run with different --shard counts?")
+    if table is not None:
+        tmp = root / f".{MANIFEST_FILE}.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, root / MANIFEST_FILE)
+    write_atomic(root / FAILURES_FILE, "".join(line + "\n" for line in failures).encode())
+    return {"parts": len(parts), "count": count, "items": len(ids), "failed": len(failures),
+            "problems": problems}

@@ -1,0 +1,144 @@
+"""Dataset formats besides the WebDataset shards: Hugging Face `datasets` Parquet (Audio feature),
+a NeMo manifest and Lhotse manifests, written from a finished output folder (one worker's, or a
+sharded job's root holding part-* folders).
+
+    OUT/exports/hf/data/train-00000-of-00003.parquet   audio {bytes, path} + id, text, duration, ...
+    OUT/exports/wavs/KEY.wav                           plain WAV files, for NeMo and Lhotse
+    OUT/exports/nemo/manifest.jsonl                    audio_filepath relative to the manifest
+    OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  absolute paths (Lhotse resolves from CWD)
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Iterator
+
+from .checkpoint import write_atomic
+from .distributed import output_dirs
+from .errors import UsageError
+
+FORMATS = ("hf", "nemo", "lhotse")
+
+
+def shards(root: Path) -> list[Path]:
+    folders = output_dirs(root)
+    if not folders:
+        raise UsageError(f"{root} holds no cosybatch job to export (run the job first)")
+    return [s for d in folders for s in sorted(d.glob("shard-*.tar"))]
+
+
+def iter_shard(path: Path) -> Iterator[tuple[str, dict, bytes]]:
+    """(key, metadata, wav bytes) for every item of one tar shard, in order."""
+    pending: dict[str, dict] = {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            key, _, ext = member.name.partition(".")
+            data = tar.extractfile(member).read()
+            entry = pending.setdefault(key, {})
+            entry[ext] = data
+            if "wav" in entry and "json" in entry:
+                del pending[key]
+                yield key, json.loads(entry["json"]), entry["wav"]
+
+
+def export(root: Path, fmt: str) -> Path:
+    root = Path(root)
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
+    return {"hf": export_hf, "nemo": export_nemo, "lhotse": export_lhotse}[fmt](root)
+
+
+def export_hf(root: Path) -> Path:
+    """One Parquet file per tar shard, with the `huggingface` schema metadata that makes
+    `datasets` see the audio column as an Audio feature."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    dest = root / "exports" / "hf" / "data"
+    dest.mkdir(parents=True, exist_ok=True)
+    paths = shards(root)
+    sample_rate = None
+    # A worker whose shard of the corpus is empty still gets one (empty) file, so it loads.
+    for n, shard in enumerate(paths or [None]):
+        rows = {"audio": [], "id": [], "text": [], "duration": [], "sampling_rate": [], "voice": []}
+        for key, meta, wav in iter_shard(shard) if shard is not None else ():
+            rows["audio"].append({"bytes": wav, "path": f"{key}.wav"})
+            rows["id"].append(meta["id"])
+            rows["text"].append(meta["text"])
+            rows["duration"].append(meta["duration"])
+            rows["sampling_rate"].append(meta["sample_rate"])
+            rows["voice"].append(meta["voice"])
+            sample_rate = sample_rate or meta["sample_rate"]
+        features = {
+            "audio": {"_type": "Audio", "sampling_rate": sample_rate},
+            "id": {"dtype": "string", "_type": "Value"},
+            "text": {"dtype": "string", "_type": "Value"},
+            "duration": {"dtype": "float64", "_type": "Value"},
+            "sampling_rate": {"dtype": "int32", "_type": "Value"},
+            "voice": {"dtype": "string", "_type": "Value"},
+        }
+        schema = pa.schema(
+            [("audio", pa.struct([("bytes", pa.binary()), ("path", pa.string())])), ("id", pa.string()),
+             ("text", pa.string()), ("duration", pa.float64()), ("sampling_rate", pa.int32()), ("voice", pa.string())],
+            metadata={"huggingface": json.dumps({"info": {"features": features}})},
+        )
+        table = pa.table(rows, schema=schema)
+        final = dest / f"train-{n:05d}-of-{max(len(paths), 1):05d}.parquet"
+        tmp = final.with_name(f".{final.name}.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, final)
+    return dest.parent
+
+
+def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
+    """Write every item as exports/wavs/KEY.wav (skipping ones already there) -> [(path, meta)]."""
+    wavs = root / "exports" / "wavs"
+    wavs.mkdir(parents=True, exist_ok=True)
+    out = []
+    for shard in shards(root):
+        for key, meta, wav in iter_shard(shard):
+            path = wavs / f"{key}.wav"
+            if not path.exists() or path.stat().st_size != len(wav):
+                write_atomic(path, wav)
+            out.append((path, meta))
+    return out
+
+
+def export_nemo(root: Path) -> Path:
+    dest = root / "exports" / "nemo"
+    dest.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for path, meta in _extract_wavs(root):
+        entry = {"audio_filepath": os.path.relpath(path, dest), "duration": meta["duration"],
+                 "text": meta["text"], "speaker": meta["voice"], "id": meta["id"]}
+        lines.append(json.dumps(entry, ensure_ascii=False))
+    manifest = dest / "manifest.jsonl"
+    write_atomic(manifest, "".join(line + "\n" for line in lines).encode())
+    return manifest
+
+
+def export_lhotse(root: Path) -> Path:
+    dest = root / "exports" / "lhotse"
+    dest.mkdir(parents=True, exist_ok=True)
+    recordings, supervisions = [], []
+    for path, meta in _extract_wavs(root):
+        rec_id = path.stem
+        recordings.append({
+            "id": rec_id,
+            "sources": [{"type": "file", "channels": [0], "source": str(path.resolve())}],
+            "sampling_rate": meta["sample_rate"], "num_samples": meta["num_samples"],
+            "duration": meta["num_samples"] / meta["sample_rate"], "channel_ids": [0],
+        })
+        supervisions.append({
+            "id": rec_id, "recording_id": rec_id, "start": 0.0,
+            "duration": meta["num_samples"] / meta["sample_rate"], "channel": 0, "text": meta["text"],
+            "speaker": meta["voice"], "custom": {"id": meta["id"]},
+        })
+    for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+        write_atomic(dest / f"{name}.jsonl.gz", gzip.compress(data, mtime=0))
+    return dest

@@ -1,0 +1,109 @@
+"""`cosybatch status`: how far a job is, read from its files without touching its lock, so a
+running job is never disturbed."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint import JOURNAL_FILE, LOCK_FILE, RUN_FILE, STATE_DIR, STATS_FILE, Journal
+from .distributed import output_dirs
+from .errors import UsageError
+
+RATE_WINDOW_S = 120.0  # the rate is measured over the last two minutes of commits
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def part_status(folder: Path, now: Optional[float] = None) -> dict:
+    now = time.time() if now is None else now
+    state = folder / STATE_DIR
+    run = _read_json(state / RUN_FILE) or {}
+    stats = _read_json(folder / STATS_FILE)
+    done = failed = 0
+    commits: list[tuple[float, int]] = []
+    for rec in Journal.read(state / JOURNAL_FILE):
+        if rec.get("t") == "items":
+            done += len(rec["items"])
+            if "ts" in rec:
+                commits.append((rec["ts"], len(rec["items"])))
+        elif rec.get("t") == "failed":
+            failed += len(rec["items"])
+    try:
+        pid_text = (state / LOCK_FILE).read_text().strip()
+    except OSError:
+        pid_text = ""
+    running = bool(pid_text) and _pid_alive(int(pid_text))
+    if running:
+        status = "running"
+    elif stats is not None and stats.get("wall_seconds") is not None and (
+            (folder / STATS_FILE).stat().st_mtime >= run.get("started", 0)):
+        status = stats["status"]
+    elif run:
+        status = "stopped"  # killed or crashed: rerun the same command to resume
+    else:
+        status = "not started"
+    rate = None
+    if running and commits:
+        since = max(now - RATE_WINDOW_S, run.get("started", now))
+        recent = sum(n for ts, n in commits if ts >= since)
+        rate = recent / max(now - since, 1e-6)
+    total = run.get("total_rows")
+    eta = None
+    if rate and total is not None:
+        eta = max(total - done - failed, 0) / rate
+    return {"folder": str(folder), "status": status, "done": done, "failed": failed, "total": total,
+            "total_is_estimate": bool(run.get("total_is_estimate")), "items_per_second": rate,
+            "eta_seconds": eta, "pid": int(pid_text) if running else None,
+            "audio_seconds": stats.get("job_totals", {}).get("audio_seconds") if stats and not running else None}
+
+
+def job_status(root: Path) -> dict:
+    folders = output_dirs(Path(root))
+    if not folders:
+        raise UsageError(f"{root} holds no cosybatch job (no .cosybatch folder, no part-* folders)")
+    parts = [part_status(f) for f in folders]
+    totals = [p["total"] for p in parts]
+    rates = [p["items_per_second"] for p in parts if p["items_per_second"]]
+    done = sum(p["done"] for p in parts)
+    failed = sum(p["failed"] for p in parts)
+    total = sum(totals) if all(t is not None for t in totals) else None
+    rate = sum(rates) if rates else None
+    statuses = {p["status"] for p in parts}
+    status = statuses.pop() if len(statuses) == 1 else ("running" if "running" in statuses else "partial")
+    return {"root": str(root), "status": status, "done": done, "failed": failed, "total": total,
+            "total_is_estimate": any(p["total_is_estimate"] for p in parts), "items_per_second": rate,
+            "eta_seconds": max(total - done - failed, 0) / rate if rate and total is not None else None,
+            "parts": parts if len(parts) > 1 else []}
+
+
+def describe(status: dict) -> str:
+    total = status["total"]
+    of = f"/{'~' if status['total_is_estimate'] else ''}{total}" if total is not None else ""
+    line = f"{status['root']}: {status['status']}, {status['done']}{of} done, {status['failed']} failed"
+    if status["items_per_second"]:
+        line += f", {status['items_per_second']:.2f} items/s"
+    if status["eta_seconds"] is not None:
+        line += f", eta {status['eta_seconds']:.0f} s"
+    lines = [line]
+    for p in status["parts"]:
+        lines.append(f"  {Path(p['folder']).name}: {p['status']}, {p['done']} done, {p['failed']} failed")
+    return "\n".join(lines)
