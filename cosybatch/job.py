@@ -76,6 +76,43 @@ class RunResult:
         })
 
 
+def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
+    """A row's sentences joined in order (with --sentence-silence between), peak-normalised."""
+    if len(parts) == 1:
+        audio = parts[0]
+    else:
+        gap = np.zeros(int(round(cfg.sentence_silence * sample_rate)), dtype=np.float32)
+        pieces = []
+        for i, part in enumerate(parts):
+            if i:
+                pieces.append(gap)
+            pieces.append(part)
+        audio = np.concatenate(pieces)
+    if cfg.normalize:
+        peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
+        audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
+    return audio
+
+
+def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig) -> tuple[str, dict, dict]:
+    """A finished row -> (shard key, tar members {ext: bytes}, manifest record)."""
+    audio = assemble_audio(parts, engine.sample_rate, cfg)
+    key = item_key(row.id)
+    meta = {
+        "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
+        "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": engine.voice_name,
+        "engine": engine.name, "seed": cfg.seed, "row": row.index,
+        "settings": {**engine.describe(), "sentence_silence": cfg.sentence_silence,
+                     "normalize": cfg.normalize, "cosybatch": __version__},
+    }
+    if text != row.text:
+        meta["source_text"] = row.text
+    members = {"wav": wav_bytes(audio, engine.sample_rate), "json": json.dumps(meta, ensure_ascii=False).encode()}
+    record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": engine.voice_name,
+              "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate}
+    return key, members, record
+
+
 class _Engines:
     """Engines by voice, opened on first use. A voice that fails to load fails its rows, not the job."""
 
@@ -453,25 +490,12 @@ class _Job:
                 failures.append({"id": row.id, "row": row.index, "reason": pending.error})
                 continue
             engine = self.engines.by_voice[pending.voice]
-            audio = self._assemble(pending.parts, engine.sample_rate)
-            key = item_key(row.id)
-            meta = {
-                "id": row.id, "text": pending.text, "duration": len(audio) / engine.sample_rate,
-                "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": engine.voice_name,
-                "engine": engine.name, "seed": self.cfg.seed, "row": row.index,
-                "settings": {**engine.describe(), "sentence_silence": self.cfg.sentence_silence,
-                             "normalize": self.cfg.normalize, "cosybatch": __version__},
-            }
-            if pending.text != row.text:
-                meta["source_text"] = row.text
+            key, members, record = render_item(row, pending.text, pending.parts, engine, self.cfg)
             if self.shard is None:
                 self.shard = ShardWriter(self.cfg.out, self.next_shard)
                 self.next_shard += 1
-            self.shard.add(key, {"wav": wav_bytes(audio, engine.sample_rate),
-                                 "json": json.dumps(meta, ensure_ascii=False).encode()}, mtime)
-            items.append({"id": row.id, "key": key, "row": row.index, "text": pending.text,
-                          "voice": engine.voice_name, "duration_s": meta["duration"],
-                          "num_samples": len(audio), "sample_rate": engine.sample_rate})
+            self.shard.add(key, members, mtime)
+            items.append(record)
         if items:
             end = self.shard.commit()
             self.journal.append({"t": "items", "ts": round(time.time(), 3), "shard": self.shard.index,
@@ -494,22 +518,6 @@ class _Job:
         self.shard.close()
         self.journal.append({"t": "closed", "shard": index, "items": items})
         self.shard = None
-
-    def _assemble(self, parts: list, sample_rate: int) -> np.ndarray:
-        if len(parts) == 1:
-            audio = parts[0]
-        else:
-            gap = np.zeros(int(round(self.cfg.sentence_silence * sample_rate)), dtype=np.float32)
-            pieces = []
-            for i, part in enumerate(parts):
-                if i:
-                    pieces.append(gap)
-                pieces.append(part)
-            audio = np.concatenate(pieces)
-        if self.cfg.normalize:
-            peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
-            audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
-        return audio
 
     # -- interruption ------------------------------------------------------------------------
     def _install_signal_handlers(self):
