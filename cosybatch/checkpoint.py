@@ -217,29 +217,11 @@ class OutputDir:
         return state
 
     # -- derived files -----------------------------------------------------------------------
-    def write_manifest(self, sample_rate_by_voice: Optional[dict] = None) -> int:
+    def write_manifest(self) -> int:
         """manifest.parquet: every committed item and its shard, in commit order."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        cols: dict[str, list] = {k: [] for k in
-                                 ("key", "id", "shard", "text", "voice", "duration_s", "num_samples",
-                                  "sample_rate", "row")}
-        for rec in Journal.read(self.journal_path):
-            if rec.get("t") != "items":
-                continue
-            for item in rec["items"]:
-                cols["shard"].append(shard_name(rec["shard"]))
-                for k in ("key", "id", "text", "voice", "duration_s", "num_samples", "sample_rate", "row"):
-                    cols[k].append(item[k])
-        schema = pa.schema([("key", pa.string()), ("id", pa.string()), ("shard", pa.string()),
-                            ("text", pa.string()), ("voice", pa.string()), ("duration_s", pa.float64()),
-                            ("num_samples", pa.int64()), ("sample_rate", pa.int32()), ("row", pa.int64())])
-        table = pa.table(cols, schema=schema)
-        tmp = self.root / f".{MANIFEST_FILE}.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, self.root / MANIFEST_FILE)
-        return table.num_rows
+        records = ({**item, "shard": shard_name(rec["shard"])}
+                   for rec in Journal.read(self.journal_path) if rec.get("t") == "items" for item in rec["items"])
+        return write_manifest_table(self.root, records)
 
     def write_failures(self) -> int:
         lines = []
@@ -250,6 +232,28 @@ class OutputDir:
         if lines or path.exists():
             write_atomic(path, ("\n".join(lines) + ("\n" if lines else "")).encode())
         return len(lines)
+
+
+MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("text", "string"),
+                    ("voice", "string"), ("duration_s", "float64"), ("num_samples", "int64"),
+                    ("sample_rate", "int32"), ("row", "int64"))
+
+
+def write_manifest_table(root: Path, records) -> int:
+    """Write ROOT/manifest.parquet (atomically) from item records with MANIFEST_COLUMNS keys."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols: dict[str, list] = {name: [] for name, _ in MANIFEST_COLUMNS}
+    for record in records:
+        for name in cols:
+            cols[name].append(record[name])
+    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in MANIFEST_COLUMNS])
+    table = pa.table(cols, schema=schema)
+    tmp = root / f".{MANIFEST_FILE}.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, root / MANIFEST_FILE)
+    return table.num_rows
 
 
 def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -177,6 +177,62 @@ def _build_config(v: dict) -> RunConfig:
                      export=export, shard_max_bytes=shard_max_bytes)
 
 
+@app.command("ray-run", epilog=EXIT_CODES_HELP)
+def ray_run_cmd(
+    ctx: typer.Context,
+    corpus: Optional[Path] = typer.Argument(None, help=D["corpus"] + " (or `corpus` in --job)", show_default=False),
+    job: Optional[Path] = typer.Option(None, "--job", help="A `cosybatch run` job spec; flags here override it."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help=D["out"] + " [default: out/CORPUS-STEM]"),
+    voice: Optional[str] = typer.Option(None, help=D["voice"]),
+    batch_size: Optional[int] = typer.Option(None, help=D["batch_size"]),
+    seed: int = typer.Option(0, help=D["seed"]),
+    restart: bool = typer.Option(False, "--restart", help=D["restart"]),
+    progress: str = typer.Option("auto", help=D["progress"]),
+    address: Optional[str] = typer.Option(None, help="Ray cluster: unset starts a local one; 'auto' joins the "
+                                          "running one; or ray://HOST:10001."),
+    actors: int = typer.Option(2, help="Actors in the pool, each holding one engine."),
+    num_gpus: float = typer.Option(0.0, help="GPUs per actor."),
+    num_cpus: float = typer.Option(1.0, help="CPUs per actor."),
+    rows_per_task: int = typer.Option(64, help="Rows per actor call; each call writes one tar shard."),
+) -> None:
+    """Run the job on a Ray cluster: Ray Data reads the corpus, an actor pool synthesises it.
+
+    Same engines, shard format, manifest and stats as `cosybatch run`; rerun to resume.
+    """
+    _setup_logging()
+    ray_flags = {"address": address, "actors": actors, "num_gpus": num_gpus, "num_cpus": num_cpus,
+                 "rows_per_task": rows_per_task}
+    given = {k: v for k, v in locals().items() if k in ("corpus", "out", "voice", "batch_size", "seed", "restart",
+                                                        "progress")}
+    try:
+        from .ray_run import RayOptions
+        from .ray_run import ray_run as run_on_ray
+
+        values = _run_defaults()
+        if job is not None:
+            values.update(_spec_values(ctx, job))
+        for key, value in given.items():
+            source = ctx.get_parameter_source(key)
+            if job is None or (source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")):
+                values[key] = value
+        result = run_on_ray(_build_config(values), RayOptions(**ray_flags))
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        _fail("ray-run needs Ray: pip install 'cosybatch[ray]'", EXIT_USAGE)
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    print(result.summary_line())
+    raise typer.Exit(result.exit_code)
+
+
+def _run_defaults() -> dict:
+    import inspect
+
+    return {name: p.default.default if hasattr(p.default, "default") else p.default
+            for name, p in inspect.signature(run).parameters.items() if name not in NOT_IN_SPECS}
+
+
 @app.command()
 def status(
     out: Path = typer.Argument(..., help="A job's output folder (or a sharded job's root)."),

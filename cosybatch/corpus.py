@@ -199,40 +199,48 @@ class Corpus:
     def _iter_parquet(self) -> Iterator[Union[Row, BadRow]]:
         import pyarrow.parquet as pq
 
-        c = self.columns
-        cols = [c.text] + ([c.id] if self._has_id else []) + ([c.voice] if self._has_voice else [])
         index = 0
-        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=cols):
-            data = batch.to_pydict()
-            texts = data[c.text]
-            ids = data[c.id] if self._has_id else None
-            voices = data[c.voice] if self._has_voice else None
-            for k, text in enumerate(texts):
-                raw_id = ids[k] if ids is not None else index
-                voice = voices[k] if voices is not None else None
-                yield _make_row(index, raw_id, text, voice)
-                index += 1
+        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=self.read_columns):
+            yield from self.rows_from_columns(batch.to_pydict(), index)
+            index += batch.num_rows
 
     def _iter_jsonl(self) -> Iterator[Union[Row, BadRow]]:
-        c = self.columns
         for index, line in _jsonl_lines(self.path):
-            try:
-                obj = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                yield BadRow(index, None, f"line {index + 1} is not valid UTF-8 ({exc.reason} at byte {exc.start})")
-                continue
-            except ValueError as exc:
-                yield BadRow(index, None, f"line {index + 1} is not valid JSON ({exc})")
-                continue
-            if not isinstance(obj, dict):
-                yield BadRow(index, None, f"line {index + 1} is a JSON {type(obj).__name__}, expected an object")
-                continue
-            raw_id = obj.get(c.id) if self._has_id else index
-            if c.text not in obj:
-                yield BadRow(index, _id_or_none(raw_id), f"line {index + 1} has no {c.text!r} field")
-                continue
-            voice = obj.get(c.voice) if self._has_voice else None
-            yield _make_row(index, raw_id, obj[c.text], voice)
+            yield self.row_from_json_line(index, line)
+
+    def row_from_json_line(self, index: int, line: bytes) -> Union[Row, BadRow]:
+        """One JSONL line (raw bytes, so bad UTF-8 is this line's problem only) -> Row or BadRow."""
+        c = self.columns
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            return BadRow(index, None, f"line {index + 1} is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+        except ValueError as exc:
+            return BadRow(index, None, f"line {index + 1} is not valid JSON ({exc})")
+        if not isinstance(obj, dict):
+            return BadRow(index, None, f"line {index + 1} is a JSON {type(obj).__name__}, expected an object")
+        raw_id = obj.get(c.id) if self._has_id else index
+        if c.text not in obj:
+            return BadRow(index, _id_or_none(raw_id), f"line {index + 1} has no {c.text!r} field")
+        voice = obj.get(c.voice) if self._has_voice else None
+        return _make_row(index, raw_id, obj[c.text], voice)
+
+    def rows_from_columns(self, data: dict, first_index: int) -> Iterator[Union[Row, BadRow]]:
+        """Rows from a column batch {name: list} of a Parquet corpus, numbered from first_index."""
+        c = self.columns
+        texts = data[c.text]
+        ids = data[c.id] if self._has_id else None
+        voices = data[c.voice] if self._has_voice else None
+        for k, text in enumerate(texts):
+            index = first_index + k
+            raw_id = ids[k] if ids is not None else index
+            voice = voices[k] if voices is not None else None
+            yield _make_row(index, raw_id, text, voice)
+
+    @property
+    def read_columns(self) -> list[str]:
+        c = self.columns
+        return [c.text] + ([c.id] if self._has_id else []) + ([c.voice] if self._has_voice else [])
 
     def fingerprint(self) -> dict:
         """Identifies the corpus cheaply: its name, size and hashes of its first and last MiB."""

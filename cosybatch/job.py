@@ -113,7 +113,32 @@ def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig) -> tup
     return key, members, record
 
 
-class _Engines:
+def run_batch(engine, batch: Batch) -> _Outcome:
+    """Synthesise one batch. If the batch fails as a whole, each unit is retried alone so that one
+    bad unit fails only its own row, with the reason recorded."""
+    t = time.monotonic()
+    try:
+        syn = engine.synthesize(batch.units)
+        outcome = _Outcome(batch, list(syn.audio), syn.real_frames, syn.padded_frames)
+    except Exception as batch_error:  # noqa: BLE001 - isolate the failing unit, record the reason
+        outcome = _Outcome(batch, [])
+        if len(batch.units) == 1:
+            outcome.audio.append(f"synthesis failed: {batch_error!r}")
+        else:
+            for unit in batch.units:
+                try:
+                    syn = engine.synthesize([unit])
+                except Exception as exc:  # noqa: BLE001
+                    outcome.audio.append(f"synthesis failed: {exc!r}")
+                    continue
+                outcome.audio.append(syn.audio[0])
+                outcome.real_frames += syn.real_frames
+                outcome.padded_frames += syn.padded_frames
+    outcome.infer_s = time.monotonic() - t
+    return outcome
+
+
+class EngineSet:
     """Engines by voice, opened on first use. A voice that fails to load fails its rows, not the job."""
 
     def __init__(self, cfg: RunConfig, options: EngineOptions):
@@ -229,7 +254,7 @@ class _Job:
         corpus = open_corpus(cfg)
 
         t0 = time.monotonic()
-        self.engines = _Engines(cfg, EngineOptions(cfg.device, cfg.threads, cfg.seed, cfg.engine_extra()))
+        self.engines = EngineSet(cfg, EngineOptions(cfg.device, cfg.threads, cfg.seed, cfg.engine_extra()))
         default = self.engines.get(cfg.voice, from_row=False)
         self.stats.stage_s["load"] = time.monotonic() - t0
         self.device = default.device
@@ -396,30 +421,8 @@ class _Job:
                 return
             if self.stop.is_set():
                 continue  # interrupted: queued batches are dropped and redone on resume
-            engine = self.engines.by_voice[batch.group]
-            t = time.monotonic()
-            try:
-                syn = engine.synthesize(batch.units)
-                outcome = _Outcome(batch, list(syn.audio), syn.real_frames, syn.padded_frames)
-            except Exception as exc:  # noqa: BLE001 - isolate the failing unit, record the reason
-                outcome = self._one_by_one(engine, batch, exc)
-            outcome.infer_s = time.monotonic() - t
+            outcome = run_batch(self.engines.by_voice[batch.group], batch)
             results.put(("batch", outcome))
-
-    @staticmethod
-    def _one_by_one(engine, batch: Batch, batch_error: Exception) -> _Outcome:
-        if len(batch.units) == 1:
-            return _Outcome(batch, [f"synthesis failed: {batch_error!r}"])
-        outcome = _Outcome(batch, [])
-        for unit in batch.units:
-            try:
-                syn = engine.synthesize([unit])
-                outcome.audio.append(syn.audio[0])
-                outcome.real_frames += syn.real_frames
-                outcome.padded_frames += syn.padded_frames
-            except Exception as exc:  # noqa: BLE001
-                outcome.audio.append(f"synthesis failed: {exc!r}")
-        return outcome
 
     # -- writer thread -----------------------------------------------------------------------
     writer_error: Optional[BaseException] = None

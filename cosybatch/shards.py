@@ -14,6 +14,7 @@ import os
 import re
 import tarfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -57,10 +58,10 @@ def _fsync_dir(path: Path) -> None:
 class ShardWriter:
     """Appends tar members to one partial shard; `commit` makes them durable, `close` finishes it."""
 
-    def __init__(self, out_dir: Path, index: int, offset: int = 0, items: int = 0):
+    def __init__(self, out_dir: Path, index: int, offset: int = 0, items: int = 0, name: Optional[str] = None):
         self.out_dir = Path(out_dir)
         self.index = index
-        self.final_path = self.out_dir / shard_name(index)
+        self.final_path = self.out_dir / (name or shard_name(index))
         self.partial_path = self.final_path.with_name(self.final_path.name + ".partial")
         mode = "r+b" if offset and self.partial_path.exists() else "wb"
         self._file = open(self.partial_path, mode)

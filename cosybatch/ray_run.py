@@ -1,0 +1,301 @@
+"""cosybatch on Ray: the same engines and output format, across a Ray cluster's machines.
+
+    from cosybatch.config import RunConfig
+    from cosybatch.ray_run import RayOptions, ray_run
+    ray_run(RunConfig(corpus=Path("corpus.parquet"), out=Path("s3-mounted/out")),
+            RayOptions(address="auto", actors=8, num_gpus=1))
+
+The driver reads the corpus with Ray Data (in file order, so row numbers and "first id wins"
+mean what they mean for `cosybatch run`), applies the same row checks, and hands chunks of rows to
+a pool of actors. Each actor holds an engine (`num_gpus` per actor), buckets its chunk by length,
+synthesises it and writes the chunk as one tar shard, `shard-<digest>.tar`, where the digest
+is a hash of the chunk's ids.
+
+The tar shards themselves are the checkpoint. A shard is written as `.partial` and renamed when
+whole, and a rerun reads the ids in the finished shards. A run that died after writing a shard
+but before recording it therefore loses nothing and duplicates nothing. A chunk that Ray retries
+rewrites the same file name, so a retry cannot duplicate rows either. Ray Data's own
+checkpointing can duplicate rows in exactly these cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from . import __version__
+from .checkpoint import (FAILURES_FILE, STATS_FILE, OutputDir, json_bytes, write_atomic,
+                         write_manifest_table)
+from .config import RunConfig, cpu_count
+from .corpus import BadRow, Corpus, Row
+from .engines import EngineOptions, RowRejected
+from .errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from .job import EngineSet, RunResult, open_corpus, render_item, run_batch
+from .plan import Unit, plan_batches
+from .shards import ShardWriter
+from .stats import Progress, Stats
+
+log = logging.getLogger("cosybatch")
+FAILURES_DIR = "ray-failures"  # under .cosybatch/: one JSONL per chunk (and per driver batch)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: Optional[str] = None
+    """Ray cluster to join: None starts a local one, "auto" joins the running one, or ray://host:10001."""
+    actors: int = 2
+    """Actors in the pool, each holding one engine."""
+    num_gpus: float = 0.0
+    """GPUs per actor (1 on a GPU cluster: one engine per GPU)."""
+    num_cpus: float = 1.0
+    """CPUs per actor."""
+    rows_per_task: int = 64
+    """Rows per actor call; each call writes one tar shard."""
+
+    def __post_init__(self) -> None:
+        if self.actors < 1 or self.rows_per_task < 1:
+            raise UsageError("--actors and --rows-per-task must be at least 1")
+        if self.num_gpus < 0 or self.num_cpus <= 0:
+            raise UsageError("--num-gpus must be >= 0 and --num-cpus > 0")
+
+
+def chunk_digest(ids: list[str]) -> str:
+    return hashlib.blake2b("\x00".join(sorted(ids)).encode("utf-8", "surrogatepass"), digest_size=10).hexdigest()
+
+
+class SynthWorker:
+    """The actor: one engine per voice, one tar shard per chunk of rows."""
+
+    def __init__(self, cfg: RunConfig, device: str):
+        self.cfg = cfg
+        self.engines = EngineSet(cfg, EngineOptions(device, cfg.threads, cfg.seed, cfg.engine_extra()))
+        self.batch_size = cfg.batch_size or 1
+        self.batch_budget = cfg.batch_budget or self.batch_size * 256
+
+    def process(self, rows: list[tuple]) -> dict:
+        cfg = self.cfg
+        rows = [Row(*r) for r in rows]
+        digest = chunk_digest([r.id for r in rows])
+        units, pending, failures = [], {}, []
+        for key, row in enumerate(rows):
+            try:
+                engine = self.engines.get(row.voice or cfg.voice, from_row=row.voice is not None)
+                prepared = engine.prepare(row.text, row.id)
+            except RowRejected as exc:
+                failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
+                continue
+            group = row.voice or cfg.voice or ""
+            pending[key] = [prepared.text, group, [None] * len(prepared.costs), None]
+            units += [Unit(key, part, cost, group, payload)
+                      for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads))]
+        stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0}
+        for batch in plan_batches(units, self.batch_size, self.batch_budget):
+            outcome = run_batch(self.engines.by_voice[batch.group], batch)
+            stats["batches"] += 1
+            stats["batch_sizes"][len(batch.units)] += 1
+            stats["real_frames"] += outcome.real_frames
+            stats["padded_frames"] += outcome.padded_frames
+            stats["infer_s"] += outcome.infer_s
+            for unit, audio in zip(batch.units, outcome.audio):
+                entry = pending[unit.row_key]
+                if isinstance(audio, str):
+                    entry[3] = entry[3] or audio
+                else:
+                    entry[2][unit.part] = audio
+        name = f"shard-{digest}.tar"
+        shard = None
+        items = []
+        for key, (text, group, parts, error) in pending.items():
+            row = rows[key]
+            if error:
+                failures.append({"id": row.id, "row": row.index, "reason": error})
+                continue
+            if shard is None:
+                shard = ShardWriter(cfg.out, 0, name=name)
+            tar_key, members, record = render_item(row, text, parts, self.engines.by_voice[group], cfg)
+            shard.add(tar_key, members, int(time.time()))
+            items.append({**record, "shard": name})
+        # Failures first: if the process dies before the rename, the rows are simply redone.
+        if failures:
+            write_atomic(cfg.out / ".cosybatch" / FAILURES_DIR / f"{digest}.jsonl",
+                         "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures).encode())
+        if shard is not None:
+            shard.close()
+        return {"items": items, "failures": failures, "stats": stats}
+
+
+def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
+    """(item records from every finished shard, failure records) - the state of a ray-run job."""
+    from .exports import iter_shard
+
+    items = []
+    for shard in sorted(out.root.glob("shard-*.tar")):
+        for key, meta, _wav in iter_shard(shard):
+            items.append({"key": key, "id": meta["id"], "shard": shard.name, "text": meta["text"],
+                          "voice": meta["voice"], "duration_s": meta["duration"],
+                          "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"]})
+    failures = []
+    for path in sorted((out.state / FAILURES_DIR).glob("*.jsonl")):
+        failures += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return items, failures
+
+
+def read_rows(corpus: Corpus) -> Iterator[Union[Row, BadRow]]:
+    """The corpus through Ray Data, in file order, with the same row checks as `Corpus`."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False  # cosybatch reports progress itself
+    index = 0
+    if corpus.format == "parquet":
+        ds = ray.data.read_parquet(str(corpus.path)).select_columns(corpus.read_columns)
+        for batch in ds.iter_batches(batch_size=4096, batch_format="pyarrow"):
+            yield from corpus.rows_from_columns(batch.to_pydict(), index)
+            index += batch.num_rows
+        return
+    # latin-1 maps every byte to one character, so encoding back gives the line's exact bytes and
+    # a line of bad UTF-8 fails alone, in our own check, instead of failing the whole read.
+    args = {"compression": "gzip"} if corpus.path.name.lower().endswith(".gz") else None
+    ds = ray.data.read_text(str(corpus.path), encoding="latin-1", drop_empty_lines=False,
+                            arrow_open_stream_args=args)
+    for batch in ds.iter_batches(batch_size=4096, batch_format="pyarrow"):
+        for line in batch.column("text").to_pylist():
+            raw = line.encode("latin-1")
+            if raw.strip():
+                yield corpus.row_from_json_line(index, raw)
+            index += 1
+
+
+def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
+    import ray
+    from ray.util import ActorPool
+
+    if cfg.shard_count is not None:
+        raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
+    out = OutputDir(cfg.out)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    out.lock()
+    started_ray = False
+    stop = threading.Event()
+    try:
+        corpus = open_corpus(cfg)
+        stats = Stats()
+        t0 = time.monotonic()
+        device = "cuda" if opts.num_gpus > 0 else "cpu"
+        probe = EngineSet(cfg, EngineOptions(device if device == "cuda" else cfg.device, cfg.threads, cfg.seed,
+                                             cfg.engine_extra())).get(cfg.voice, from_row=False)
+        fingerprint = {"runner": "ray", "corpus": corpus.fingerprint(), "engine": probe.describe(),
+                       "columns": {"id": cfg.id_col, "text": cfg.text_col, "voice": cfg.voice_col},
+                       "seed": cfg.seed, "sentence_silence": cfg.sentence_silence, "normalize": cfg.normalize}
+        out.check_or_start(fingerprint, cfg.restart)
+        for partial in cfg.out.glob("shard-*.tar.partial"):
+            partial.unlink()  # a chunk that never finished; its rows are redone
+        items, failures = scan_output(out)
+        done_ids = {i["id"] for i in items} | {f["id"] for f in failures if f["id"] is not None}
+        failed_rows = {f["row"] for f in failures if f["id"] is None}
+        stats.previous_items_done = len(items)
+        stats.previous_items_failed = len(failures)
+        stats.previous_audio_s = sum(i["duration_s"] for i in items)
+
+        if not ray.is_initialized():
+            extra = {}
+            if opts.address is None:
+                # A local cluster gets one logical CPU beyond what the actors hold, for Ray Data's
+                # read tasks: with every CPU held by an actor, the read would wait forever.
+                extra["num_cpus"] = max(cpu_count(), int(opts.actors * opts.num_cpus + 0.999) + 1)
+            ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING, configure_logging=False, **extra)
+            started_ray = True
+        remote = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus, max_restarts=2,
+                            max_task_retries=2)(SynthWorker)
+        pool = ActorPool([remote.remote(cfg, device if device == "cuda" else cfg.device) for _ in range(opts.actors)])
+        stats.stage_s["load"] = time.monotonic() - t0
+
+        def handler(signum, _frame):
+            log.warning("%s: finishing the chunks in flight, then stopping", signal.Signals(signum).name)
+            stop.set()
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        progress = Progress(corpus.num_rows if not cfg.limit else min(corpus.num_rows or cfg.limit, cfg.limit),
+                            len(items) + len(failures), cfg.progress, cfg.log_every)
+        driver_failures: list[dict] = []
+
+        def collect(result: dict) -> None:
+            stats.items_done += len(result["items"])
+            stats.items_failed += len(result["failures"])
+            audio_s = sum(i["duration_s"] for i in result["items"])
+            stats.audio_s += audio_s
+            s = result["stats"]
+            stats.batches += s["batches"]
+            stats.batch_sizes.update(s["batch_sizes"])
+            stats.real_frames += s["real_frames"]
+            stats.padded_frames += s["padded_frames"]
+            stats.stage_s["infer"] += s["infer_s"]
+            progress.update(len(result["items"]) + len(result["failures"]), audio_s)
+
+        def flush_driver_failures() -> None:
+            if driver_failures:
+                digest = chunk_digest([f"{f['row']}" for f in driver_failures])
+                write_atomic(out.state / FAILURES_DIR / f"driver-{digest}.jsonl",
+                             "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in driver_failures).encode())
+                stats.items_failed += len(driver_failures)
+                progress.update(len(driver_failures), 0.0)
+                driver_failures.clear()
+
+        (out.state / FAILURES_DIR).mkdir(parents=True, exist_ok=True)
+        seen = set(done_ids)
+        chunk: list[tuple] = []
+        t_read = time.monotonic()
+        for row in read_rows(corpus):
+            if stop.is_set() or (cfg.limit is not None and row.index >= cfg.limit):
+                break
+            if (row.index in failed_rows) if row.id is None else (row.id in done_ids):
+                continue
+            if isinstance(row, BadRow) or row.id in seen:
+                reason = row.reason if isinstance(row, BadRow) else "duplicate id; the first row with it was kept"
+                driver_failures.append({"id": row.id, "row": row.index, "reason": reason})
+                if row.id is not None:
+                    seen.add(row.id)
+                continue
+            seen.add(row.id)
+            if len(row.text) > cfg.max_chars:
+                driver_failures.append({"id": row.id, "row": row.index, "reason":
+                                        f"text is {len(row.text)} characters, over --max-chars {cfg.max_chars}"})
+                continue
+            chunk.append((row.index, row.id, row.text, row.voice))
+            if len(chunk) >= opts.rows_per_task:
+                while not pool.has_free():
+                    collect(pool.get_next_unordered())
+                pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
+                chunk = []
+                flush_driver_failures()
+        if chunk and not stop.is_set():
+            pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
+        flush_driver_failures()
+        stats.stage_s["read"] = time.monotonic() - t_read
+        while pool.has_next():
+            collect(pool.get_next_unordered())
+        progress.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+        items, failures = scan_output(out)
+        status = "interrupted" if stop.is_set() else "complete"
+        write_manifest_table(cfg.out, items)
+        write_atomic(cfg.out / FAILURES_FILE, "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures).encode())
+        snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=probe.name, voice=probe.voice_name,
+                                 device=device, runner="ray", actors=opts.actors, cosybatch=__version__)
+        write_atomic(cfg.out / STATS_FILE, json_bytes(snapshot))
+        return RunResult(status, EXIT_INTERRUPTED if stop.is_set() else EXIT_OK, snapshot)
+    finally:
+        if started_ray:
+            ray.shutdown()
+        out.unlock()
