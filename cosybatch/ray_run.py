@@ -37,7 +37,7 @@ from .checkpoint import (FAILURES_FILE, STATS_FILE, OutputDir, json_bytes, write
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Corpus, Row
 from .engines import EngineOptions, RowRejected
-from .errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, UsageError
 from .job import EngineSet, RunResult, open_corpus, render_item, run_batch
 from .plan import Unit, plan_batches
 from .shards import ShardWriter
@@ -181,6 +181,10 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
 
     if cfg.shard_count is not None:
         raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
+    unsupported = [name for name in ("metrics_file", "pushgateway", "max_runtime") if getattr(cfg, name)]
+    if unsupported:
+        raise UsageError(f"ray-run does not support {', '.join(unsupported)} yet (Ray's own dashboard and "
+                         "job timeouts cover them); remove them from the flags or the job spec")
     out = OutputDir(cfg.out)
     cfg.out.mkdir(parents=True, exist_ok=True)
     out.lock()
@@ -294,6 +298,17 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=probe.name, voice=probe.voice_name,
                                  device=device, runner="ray", actors=opts.actors, cosybatch=__version__)
         write_atomic(cfg.out / STATS_FILE, json_bytes(snapshot))
+        if status == "complete":
+            from .exports import export
+
+            for fmt in cfg.export:
+                export(cfg.out, fmt)
+        max_count, max_rate = cfg.failure_limit()
+        if (max_count is not None and len(failures) > max_count) or (
+                max_rate is not None and len(failures) > max_rate * max(len(items) + len(failures), 1)):
+            log.error("%d rows failed, over --max-failures %s; see %s", len(failures), cfg.max_failures,
+                      cfg.out / FAILURES_FILE)
+            return RunResult("too_many_failures", EXIT_TOO_MANY_FAILURES, snapshot)
         return RunResult(status, EXIT_INTERRUPTED if stop.is_set() else EXIT_OK, snapshot)
     finally:
         if started_ray:

@@ -88,3 +88,11 @@ def test_a_retried_chunk_rewrites_the_same_shard(tmp_path):
     assert first["items"][0]["shard"] == second["items"][0]["shard"]
     assert len(list(cfg.out.glob("shard-*.tar"))) == 1
     assert sorted(read_output(cfg.out)) == ["r0", "r1", "r2"]
+
+
+def test_options_ray_run_cannot_honour_are_refused(tmp_path):
+    from cosybatch.errors import UsageError
+
+    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
+    with pytest.raises(UsageError, match="ray-run does not support metrics_file"):
+        ray_run(RunConfig(corpus=corpus, out=tmp_path / "o", metrics_file=tmp_path / "m.prom"), RayOptions())
