@@ -13,9 +13,10 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from .errors import ResumeMismatchError, UsageError
 from .shards import shard_name
@@ -39,6 +40,10 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def jsonl_bytes(records) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
 
 
 def json_bytes(obj) -> bytes:
@@ -224,14 +229,12 @@ class OutputDir:
         return write_manifest_table(self.root, records)
 
     def write_failures(self) -> int:
-        lines = []
-        for rec in Journal.read(self.journal_path):
-            if rec.get("t") == "failed":
-                lines.extend(json.dumps(item, ensure_ascii=False) for item in rec["items"])
+        failures = [item for rec in Journal.read(self.journal_path) if rec.get("t") == "failed"
+                    for item in rec["items"]]
         path = self.root / FAILURES_FILE
-        if lines or path.exists():
-            write_atomic(path, ("\n".join(lines) + ("\n" if lines else "")).encode())
-        return len(lines)
+        if failures or path.exists():
+            write_atomic(path, jsonl_bytes(failures))
+        return len(failures)
 
 
 MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("text", "string"),

@@ -12,8 +12,16 @@ from typing import Optional
 import typer
 
 from .config import RunConfig
-from .errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,
-                     EXIT_TOO_MANY_FAILURES, EXIT_USAGE, CosybatchError, UsageError)
+from .errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TOO_MANY_FAILURES,
+    EXIT_USAGE,
+    CosybatchError,
+    UsageError,
+)
 
 EXIT_CODES_HELP = (
     f"Exit codes: {EXIT_OK} complete; {EXIT_USAGE} usage error; {EXIT_BAD_INPUT} bad input data; "
@@ -320,6 +328,6 @@ def main() -> None:
         app()
     except SystemExit:
         raise
-    except Exception as exc:  # noqa: BLE001 - last resort: say what happened, exit "internal"
+    except Exception as exc:
         logging.getLogger("cosybatch").exception("internal error: %s", exc)
         raise SystemExit(EXIT_INTERNAL) from None

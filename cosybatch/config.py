@@ -113,7 +113,8 @@ class RunConfig:
         if (self.shard_index is None) != (self.shard_count is None):
             raise UsageError("give both the shard index and the shard count (--shard I/N)")
         if self.shard_count is not None and not 0 <= self.shard_index < self.shard_count:
-            raise UsageError(f"--shard {self.shard_index}/{self.shard_count}: the index must be in 0..{self.shard_count - 1}")
+            raise UsageError(f"--shard {self.shard_index}/{self.shard_count}: "
+                             f"the index must be in 0..{self.shard_count - 1}")
         unknown = set(self.export) - {"hf", "nemo", "lhotse"}
         if unknown:
             raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from hf, nemo, lhotse")
@@ -157,10 +158,11 @@ class RunConfig:
         """Field name -> docstring, for the CLI help."""
         import ast
         import inspect
+        import itertools
 
         docs = {}
         body = ast.parse(inspect.getsource(cls)).body[0].body
-        for node, nxt in zip(body, body[1:]):
+        for node, nxt in itertools.pairwise(body):
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
                 docs[node.target.id] = str(nxt.value.value)
         return docs

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 from .errors import CorpusError, UsageError
 

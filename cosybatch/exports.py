@@ -14,8 +14,8 @@ import gzip
 import json
 import os
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from .checkpoint import write_atomic
 from .distributed import output_dirs

@@ -25,16 +25,16 @@ from .config import RunConfig, cpu_count
 from .corpus import BadRow, Columns, Corpus, Row
 from .distributed import part_name, shard_of
 from .engines import EngineOptions, RowRejected, open_engine
-from .errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError, OutputError,
-                     UsageError)
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError, OutputError, UsageError
+from .metrics import BatchHistogram
 from .plan import Batch, Unit, plan_batches
 from .shards import ShardWriter, item_key, wav_bytes
-from .metrics import BatchHistogram
 from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
 
 FIRST_WINDOW_ROWS = 64  # the first window is small so audio starts flowing at once
+DUPLICATE_ID = "duplicate id; the first row with it was kept"
 METRICS_EVERY_S = 10.0  # how often the Prometheus textfile is refreshed during a run
 _DONE = object()
 
@@ -81,7 +81,7 @@ def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
     if len(parts) == 1:
         audio = parts[0]
     else:
-        gap = np.zeros(int(round(cfg.sentence_silence * sample_rate)), dtype=np.float32)
+        gap = np.zeros(round(cfg.sentence_silence * sample_rate), dtype=np.float32)
         pieces = []
         for i, part in enumerate(parts):
             if i:
@@ -120,7 +120,7 @@ def run_batch(engine, batch: Batch) -> _Outcome:
     try:
         syn = engine.synthesize(batch.units)
         outcome = _Outcome(batch, list(syn.audio), syn.real_frames, syn.padded_frames)
-    except Exception as batch_error:  # noqa: BLE001 - isolate the failing unit, record the reason
+    except Exception as batch_error:
         outcome = _Outcome(batch, [])
         if len(batch.units) == 1:
             outcome.audio.append(f"synthesis failed: {batch_error!r}")
@@ -128,7 +128,7 @@ def run_batch(engine, batch: Batch) -> _Outcome:
             for unit in batch.units:
                 try:
                     syn = engine.synthesize([unit])
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     outcome.audio.append(f"synthesis failed: {exc!r}")
                     continue
                 outcome.audio.append(syn.audio[0])
@@ -292,12 +292,12 @@ class _Job:
         workers = [threading.Thread(target=self._infer_loop, args=(work, results), daemon=True, name=f"infer-{i}")
                    for i in range(self.workers)]
         writer = threading.Thread(target=self._write_loop, args=(results,), daemon=True, name="writer")
-        for t in workers + [writer]:
+        for t in [*workers, writer]:
             t.start()
         error: Optional[BaseException] = None
         try:
             self._produce(corpus, state.done_ids, state.failed_rows, work, results)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below once the pipeline is drained
+        except BaseException as exc:
             error = exc
             self.stop.set()
         finally:
@@ -361,7 +361,7 @@ class _Job:
                     seen.add(row.id)
                 continue
             if row.id in seen:
-                failures.append({"id": row.id, "row": row.index, "reason": "duplicate id; the first row with it was kept"})
+                failures.append({"id": row.id, "row": row.index, "reason": DUPLICATE_ID})
                 continue
             seen.add(row.id)
             if len(row.text) > cfg.max_chars:
@@ -386,7 +386,7 @@ class _Job:
                 self.rows[key] = _PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
                                              len(prepared.costs))
             units.extend(Unit(key, part, cost, group, payload)
-                         for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads)))
+                         for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True)))
             rows_in_window += 1
             if rows_in_window >= window_rows:
                 seq = self._dispatch(units, seq, work)
@@ -450,7 +450,7 @@ class _Job:
             # Nothing after the last commit counts; a rerun truncates it away.
             self.writer_error = _output_error(self.cfg, exc)
             self.stop.set()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+        except BaseException as exc:
             self.writer_error = exc
             self.stop.set()
 
@@ -476,7 +476,7 @@ class _Job:
         self.batch_seconds.observe(outcome.infer_s)
         finished: list[_PendingRow] = []
         with self.rows_lock:
-            for unit, audio in zip(outcome.batch.units, outcome.audio):
+            for unit, audio in zip(outcome.batch.units, outcome.audio, strict=True):
                 pending = self.rows[unit.row_key]
                 if isinstance(audio, str):
                     pending.error = pending.error or audio

@@ -30,7 +30,7 @@ def load_job_spec(path: Path) -> dict:
             raise UsageError(f"--job {path}: name the spec *.toml, *.yaml or *.yml")
     except UsageError:
         raise
-    except Exception as exc:  # noqa: BLE001 - every parser error becomes one clear message
+    except Exception as exc:
         raise UsageError(f"--job {path}: not valid {suffix[1:].upper()} ({exc})") from None
     if data is None:
         data = {}

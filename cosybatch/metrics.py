@@ -25,7 +25,7 @@ class BatchHistogram:
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, total = [], 0
-        for bound, count in zip([*map(str, BATCH_SECONDS_BUCKETS), "+Inf"], self.counts):
+        for bound, count in zip([*map(str, BATCH_SECONDS_BUCKETS), "+Inf"], self.counts, strict=True):
             total += count
             out.append((bound, total))
         return out
@@ -34,8 +34,7 @@ class BatchHistogram:
 def registry(snapshot: dict, histogram: BatchHistogram, labels: dict[str, str]):
     """A CollectorRegistry holding the job's metrics from a stats snapshot (Stats.to_dict)."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                        HistogramMetricFamily, InfoMetricFamily)
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
     names = sorted(labels)
     values = [labels[n] for n in names]
@@ -44,9 +43,9 @@ def registry(snapshot: dict, histogram: BatchHistogram, labels: dict[str, str]):
         def collect(self):
             totals = snapshot["job_totals"]
             items = CounterMetricFamily("cosybatch_items", "Rows finished, by status (whole job).",
-                                        labels=names + ["status"])
-            items.add_metric(values + ["done"], totals["items_done"])
-            items.add_metric(values + ["failed"], totals["items_failed"])
+                                        labels=[*names, "status"])
+            items.add_metric([*values, "done"], totals["items_done"])
+            items.add_metric([*values, "failed"], totals["items_failed"])
             yield items
             audio = CounterMetricFamily("cosybatch_audio_seconds", "Seconds of audio written (whole job).",
                                         labels=names)
@@ -77,8 +76,7 @@ def registry(snapshot: dict, histogram: BatchHistogram, labels: dict[str, str]):
             done.add_metric(values, 1.0 if snapshot.get("status") == "complete" else 0.0)
             yield done
             info = InfoMetricFamily("cosybatch_run", "What this run is.", labels=names)
-            info.add_metric(values, {"engine": str(snapshot.get("engine", "")), "voice": str(snapshot.get("voice", "")),
-                                     "device": str(snapshot.get("device", "")), "status": str(snapshot.get("status", ""))})
+            info.add_metric(values, {k: str(snapshot.get(k, "")) for k in ("engine", "voice", "device", "status")})
             yield info
 
     reg = CollectorRegistry()

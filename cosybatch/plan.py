@@ -7,8 +7,9 @@ is the finest bucketing there is; windows keep memory bounded on corpora of any 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)

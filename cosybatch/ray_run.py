@@ -27,18 +27,25 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 from . import __version__
-from .checkpoint import (FAILURES_FILE, STATS_FILE, OutputDir, json_bytes, write_atomic,
-                         write_manifest_table)
+from .checkpoint import (
+    FAILURES_FILE,
+    STATS_FILE,
+    OutputDir,
+    json_bytes,
+    jsonl_bytes,
+    write_atomic,
+    write_manifest_table,
+)
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Corpus, Row
 from .engines import EngineOptions, RowRejected
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, UsageError
-from .job import EngineSet, RunResult, open_corpus, render_item, run_batch
+from .job import DUPLICATE_ID, EngineSet, RunResult, open_corpus, render_item, run_batch
 from .plan import Unit, plan_batches
 from .shards import ShardWriter
 from .stats import Progress, Stats
@@ -95,7 +102,7 @@ class SynthWorker:
             group = row.voice or cfg.voice or ""
             pending[key] = [prepared.text, group, [None] * len(prepared.costs), None]
             units += [Unit(key, part, cost, group, payload)
-                      for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads))]
+                      for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
         stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0}
         for batch in plan_batches(units, self.batch_size, self.batch_budget):
             outcome = run_batch(self.engines.by_voice[batch.group], batch)
@@ -104,7 +111,7 @@ class SynthWorker:
             stats["real_frames"] += outcome.real_frames
             stats["padded_frames"] += outcome.padded_frames
             stats["infer_s"] += outcome.infer_s
-            for unit, audio in zip(batch.units, outcome.audio):
+            for unit, audio in zip(batch.units, outcome.audio, strict=True):
                 entry = pending[unit.row_key]
                 if isinstance(audio, str):
                     entry[3] = entry[3] or audio
@@ -126,7 +133,7 @@ class SynthWorker:
         # Failures first: if the process dies before the rename, the rows are simply redone.
         if failures:
             write_atomic(cfg.out / ".cosybatch" / FAILURES_DIR / f"{digest}.jsonl",
-                         "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures).encode())
+                         jsonl_bytes(failures))
         if shard is not None:
             shard.close()
         return {"items": items, "failures": failures, "stats": stats}
@@ -249,7 +256,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
             if driver_failures:
                 digest = chunk_digest([f"{f['row']}" for f in driver_failures])
                 write_atomic(out.state / FAILURES_DIR / f"driver-{digest}.jsonl",
-                             "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in driver_failures).encode())
+                             jsonl_bytes(driver_failures))
                 stats.items_failed += len(driver_failures)
                 progress.update(len(driver_failures), 0.0)
                 driver_failures.clear()
@@ -264,7 +271,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
             if (row.index in failed_rows) if row.id is None else (row.id in done_ids):
                 continue
             if isinstance(row, BadRow) or row.id in seen:
-                reason = row.reason if isinstance(row, BadRow) else "duplicate id; the first row with it was kept"
+                reason = row.reason if isinstance(row, BadRow) else DUPLICATE_ID
                 driver_failures.append({"id": row.id, "row": row.index, "reason": reason})
                 if row.id is not None:
                     seen.add(row.id)
@@ -294,7 +301,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         items, failures = scan_output(out)
         status = "interrupted" if stop.is_set() else "complete"
         write_manifest_table(cfg.out, items)
-        write_atomic(cfg.out / FAILURES_FILE, "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures).encode())
+        write_atomic(cfg.out / FAILURES_FILE, jsonl_bytes(failures))
         snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=probe.name, voice=probe.voice_name,
                                  device=device, runner="ray", actors=opts.actors, cosybatch=__version__)
         write_atomic(cfg.out / STATS_FILE, json_bytes(snapshot))

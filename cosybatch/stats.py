@@ -24,7 +24,7 @@ class Stats:
     batch_sizes: Counter = field(default_factory=Counter)
     real_frames: int = 0
     padded_frames: int = 0
-    stage_s: dict = field(default_factory=lambda: {"load": 0.0, "read": 0.0, "prepare": 0.0, "infer": 0.0, "write": 0.0})
+    stage_s: dict = field(default_factory=lambda: dict.fromkeys(("load", "read", "prepare", "infer", "write"), 0.0))
     previous_items_done: int = 0
     previous_items_failed: int = 0
     previous_audio_s: float = 0.0

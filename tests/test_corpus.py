@@ -99,7 +99,7 @@ def test_jsonl_reader_accounts_for_every_line(tmp_path_factory, texts):
         return
     rows = list(Corpus(path))
     assert [r.id for r in rows] == [f"r{i}" for i in range(len(texts))]  # nothing lost, nothing extra
-    for r, t in zip(rows, texts):
+    for r, t in zip(rows, texts, strict=True):
         if isinstance(r, Row):
             assert isinstance(t, str) and r.text and r.text == r.text.strip()
         else:
@@ -128,12 +128,14 @@ def test_keys_do_not_collide_on_sanitised_ids():
 def test_parquet_reader_accounts_for_every_row(tmp_path_factory, rows):
     path = tmp_path_factory.mktemp("p") / "c.parquet"
     ids = [None if i is None else str(i) for i, _ in rows]
-    pq.write_table(pa.table({"id": pa.array(ids, pa.string()), "text": pa.array([t for _, t in rows], pa.string())}), path)
+    texts = pa.array([t for _, t in rows], pa.string())
+    pq.write_table(pa.table({"id": pa.array(ids, pa.string()), "text": texts}), path)
     out = list(Corpus(path))
     assert [r.index for r in out] == list(range(len(rows)))  # one result per row, in order
-    for r, (raw_id, text) in zip(out, rows):
+    for r, (raw_id, text) in zip(out, rows, strict=True):
         if isinstance(r, Row):
             assert r.id == str(raw_id) and r.text and text is not None
         else:
             assert r.reason
-            assert raw_id is None or not str(raw_id).strip() or text is None or not text.strip() or not text.isprintable()
+            bad_id = raw_id is None or not str(raw_id).strip()
+            assert bad_id or text is None or not text.strip() or not text.isprintable()

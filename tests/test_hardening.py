@@ -75,7 +75,7 @@ def test_signal_during_start_up_is_clean(tmp_path):
     proc = start(corpus, tmp_path / "out")
     time.sleep(0.6)  # interpreter up, model still loading
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
+    _stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode in (4, -15), stderr  # -15 only if the signal beat the handler install
     assert "Traceback" not in stderr
 
@@ -111,7 +111,7 @@ def test_disk_full_fault_keeps_committed_work_and_resumes(tmp_path, monkeypatch)
         return real_add(self, key, members, mtime)
 
     monkeypatch.setattr(ShardWriter, "add", add_then_fail)
-    with pytest.raises(OutputError, match="No space left on device.*rerun the same command to resume"):
+    with pytest.raises(OutputError, match=r"No space left on device.*rerun the same command to resume"):
         run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
     assert committed_items(out) == 5
     monkeypatch.setattr(ShardWriter, "add", real_add)

@@ -20,7 +20,7 @@ import soundfile
 import yaml
 from conftest import ROOT, write_parquet
 from helpers import read_output
-from test_resume import corpus_rows, start, wait_for_items
+from test_resume import corpus_rows, wait_for_items
 
 from cosybatch.config import RunConfig
 from cosybatch.job import run
@@ -160,7 +160,7 @@ def test_status_and_metrics_of_a_running_job(tmp_path):
     assert 4 <= live["done"] < 30 and live["items_per_second"] > 0 and live["eta_seconds"] > 0
     during = metrics(prom)
     assert during[("cosybatch_run_complete", None)] == 0
-    stdout, stderr = proc.communicate(timeout=300)
+    _stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr  # status did not disturb the run
 
     done = json.loads(cosybatch("status", str(out), "--json").stdout)

