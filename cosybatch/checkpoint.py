@@ -29,6 +29,7 @@ MANIFEST_FILE = "manifest.parquet"
 FAILURES_FILE = "failures.jsonl"
 STATS_FILE = "stats.json"
 RUN_FILE = "run.json"  # under .cosybatch/: pid, start time and row total of the latest run
+RAY_FAILURES_DIR = "ray-failures"  # under .cosybatch/: ray-run failure records, one file per chunk
 JOB_FORMAT = 1
 
 
@@ -172,11 +173,15 @@ class OutputDir:
         return False
 
     def clear(self) -> None:
-        """Delete only what cosybatch writes: shards, manifest, failures, stats, job state."""
+        """Delete only what cosybatch writes: shards, manifest, failures, stats, exports, job state."""
+        import shutil
+
         for pattern in ("shard-*.tar", "shard-*.tar.partial", MANIFEST_FILE, FAILURES_FILE, STATS_FILE):
             for path in self.root.glob(pattern):
                 path.unlink()
-        for name in (JOB_FILE, JOURNAL_FILE):
+        shutil.rmtree(self.root / "exports", ignore_errors=True)
+        shutil.rmtree(self.state / RAY_FAILURES_DIR, ignore_errors=True)
+        for name in (JOB_FILE, JOURNAL_FILE, RUN_FILE):
             (self.state / name).unlink(missing_ok=True)
 
     # -- resume ------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Optional, Union
 from . import __version__
 from .checkpoint import (
     FAILURES_FILE,
+    RAY_FAILURES_DIR,
     STATS_FILE,
     OutputDir,
     json_bytes,
@@ -51,7 +52,6 @@ from .shards import ShardWriter
 from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
-FAILURES_DIR = "ray-failures"  # under .cosybatch/: one JSONL per chunk (and per driver batch)
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class SynthWorker:
             items.append({**record, "shard": name})
         # Failures first: if the process dies before the rename, the rows are simply redone.
         if failures:
-            write_atomic(cfg.out / ".cosybatch" / FAILURES_DIR / f"{digest}.jsonl",
+            write_atomic(cfg.out / ".cosybatch" / RAY_FAILURES_DIR / f"{digest}.jsonl",
                          jsonl_bytes(failures))
         if shard is not None:
             shard.close()
@@ -150,7 +150,7 @@ def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
                           "voice": meta["voice"], "duration_s": meta["duration"],
                           "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"]})
     failures = []
-    for path in sorted((out.state / FAILURES_DIR).glob("*.jsonl")):
+    for path in sorted((out.state / RAY_FAILURES_DIR).glob("*.jsonl")):
         failures += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return items, failures
 
@@ -255,13 +255,13 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         def flush_driver_failures() -> None:
             if driver_failures:
                 digest = chunk_digest([f"{f['row']}" for f in driver_failures])
-                write_atomic(out.state / FAILURES_DIR / f"driver-{digest}.jsonl",
+                write_atomic(out.state / RAY_FAILURES_DIR / f"driver-{digest}.jsonl",
                              jsonl_bytes(driver_failures))
                 stats.items_failed += len(driver_failures)
                 progress.update(len(driver_failures), 0.0)
                 driver_failures.clear()
 
-        (out.state / FAILURES_DIR).mkdir(parents=True, exist_ok=True)
+        (out.state / RAY_FAILURES_DIR).mkdir(parents=True, exist_ok=True)
         seen = set(done_ids)
         chunk: list[tuple] = []
         t_read = time.monotonic()

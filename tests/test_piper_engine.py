@@ -88,3 +88,15 @@ def test_long_sentence_is_split_and_nothing_is_lost(quiet_engine):
 def test_nothing_pronounceable_is_rejected(engine):
     with pytest.raises(RowRejected, match="nothing pronounceable"):
         engine.prepare("... - . —", "x")
+
+
+def test_padding_the_phoneme_axis_changes_nothing(engine, texts):
+    """On CUDA the phoneme axis is padded to a multiple of 32 (fewer cuDNN shape searches); the
+    padding is masked, so every item's audio is what it is unpadded."""
+    padded = open_engine("piper", None, EngineOptions(device="cpu", extra={"pad_multiple": 32}))
+    units = units_for(engine, texts[:4])
+    plain = engine.synthesize(units).audio
+    wide = padded.synthesize(units).audio
+    for a, b in zip(plain, wide, strict=True):
+        assert len(a) == len(b)
+        assert np.abs(a - b).max() <= 1e-3

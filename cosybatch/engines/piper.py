@@ -36,6 +36,7 @@ MAX_PIECE_IDS = 600
 # Initial frame allowance for the decoder noise, per phoneme id and unit of length_scale. Speech
 # runs at about 2.3 frames per id; on a miss the batch is rerun with a larger allowance.
 NOISE_FRAMES_PER_ID = 4.0
+CUDA_PAD_MULTIPLE = 32
 SAFE_VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -401,7 +402,11 @@ class PiperEngine:
         self.speaker = self._speaker_id(extra.pop("speaker", None))
         providers = _providers(ort, options.device)
         # The 2-D convolution rewrite is measured on CPU only (benchmarks/cpu_settings.py).
-        self.conv2d = bool(extra.pop("conv2d", providers == ["CPUExecutionProvider"]))
+        on_cpu = providers == ["CPUExecutionProvider"]
+        self.conv2d = bool(extra.pop("conv2d", on_cpu))
+        # On CUDA every new input shape costs a cuDNN algorithm search: pad the phoneme axis to a
+        # multiple of this so batches reuse a few shapes. Padding is masked, so audio is unchanged.
+        self.pad_multiple = int(extra.pop("pad_multiple", 1 if on_cpu else CUDA_PAD_MULTIPLE))
         if extra:
             raise UsageError(f"unknown Piper engine options: {sorted(extra)}")
 
@@ -536,7 +541,7 @@ class PiperEngine:
         return Prepared(tuple(costs), tuple(payloads), text)
 
     # -- audio -----------------------------------------------------------------------------
-    def _noise(self, pieces: Sequence[Piece], frame_allowance: float) -> dict:
+    def _noise(self, pieces: Sequence[Piece], frame_allowance: float, input_width: int) -> dict:
         """Per-item noise: item i's values depend only on its seed, never on the batch."""
         feeds = {}
         lengths = [len(p.ids) for p in pieces]
@@ -547,7 +552,8 @@ class PiperEngine:
                 times = [int(n * frame_allowance * max(self.length_scale, 0.1)) + 64 for n in lengths]
             else:
                 times = lengths
-            noise = np.zeros((len(pieces), channels, max(times)), dtype=np.float32)
+            width = max(times) if on_frames else input_width  # the phoneme axis may be padded
+            noise = np.zeros((len(pieces), channels, width), dtype=np.float32)
             scale = self.noise_scale if on_frames else self.noise_w
             if scale != 0.0:
                 for i, piece in enumerate(pieces):
@@ -560,13 +566,14 @@ class PiperEngine:
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:
         pieces = [u.payload for u in units]
         lengths = np.array([len(p.ids) for p in pieces], dtype=np.int64)
-        ids = np.zeros((len(pieces), int(lengths.max())), dtype=np.int64)
+        width = -(-int(lengths.max()) // self.pad_multiple) * self.pad_multiple
+        ids = np.zeros((len(pieces), width), dtype=np.int64)
         for i, piece in enumerate(pieces):
             ids[i, : len(piece.ids)] = piece.ids
         feeds = self._feeds(ids, lengths)
         allowance = NOISE_FRAMES_PER_ID
         for attempt in range(3):
-            feeds.update(self._noise(pieces, allowance))
+            feeds.update(self._noise(pieces, allowance, width))
             try:
                 frames, audio = self._session.run(self._output_names, feeds)
                 break
