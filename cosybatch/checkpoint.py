@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import ResumeMismatchError, UsageError
-from .shards import shard_name
+from .shards import fsync_dir, shard_name
 
 STATE_DIR = ".cosybatch"
 JOB_FILE = "job.json"
@@ -33,6 +33,15 @@ RAY_FAILURES_DIR = "ray-failures"  # under .cosybatch/: ray-run failure records,
 JOB_FORMAT = 1
 
 
+DUPLICATE_ID = "duplicate id; the first row with it was kept"
+
+
+def keyed_by_row(failure: dict) -> bool:
+    """A failure that must be skipped on resume by its row number, not its id: a row without an
+    id, or a duplicate (its id belongs to the first row, which may not be committed yet)."""
+    return failure["id"] is None or failure.get("reason") == DUPLICATE_ID
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary name, fsync, rename: readers see the old file or the new, never half."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -41,6 +50,7 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def jsonl_bytes(records) -> bytes:
@@ -56,7 +66,7 @@ class ResumeState:
     """What the journal says is already done."""
 
     done_ids: set = field(default_factory=set)  # written or failed; never redone
-    failed_rows: set = field(default_factory=set)  # row numbers of failed rows that had no id
+    failed_rows: set = field(default_factory=set)  # failures keyed by row: no id, or a duplicate id
     items: int = 0
     failures: int = 0
     audio_s: float = 0.0
@@ -76,7 +86,10 @@ class Journal:
         if path.exists() and path.stat().st_size != good_bytes:
             with open(path, "r+b") as f:
                 f.truncate(good_bytes)
+        created = not path.exists()
         self._file = open(path, "ab")
+        if created:
+            fsync_dir(path.parent)
 
     @staticmethod
     def _scan(path: Path) -> tuple[int, int]:
@@ -202,7 +215,7 @@ class OutputDir:
                 state.next_shard = max(state.next_shard, shard + 1)
             elif kind == "failed":
                 for item in rec["items"]:
-                    if item["id"] is None:
+                    if keyed_by_row(item):
                         state.failed_rows.add(item["row"])
                     else:
                         state.done_ids.add(item["id"])

@@ -265,7 +265,7 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _id_or_none(raw_id) -> Optional[str]:
-    if raw_id is None or isinstance(raw_id, (dict, list)):
+    if raw_id is None or isinstance(raw_id, (dict, list)) or not _encodable(str(raw_id)):
         return None
     return str(raw_id)
 
@@ -282,12 +282,23 @@ def clean_text(text: str) -> str:
     return _WHITESPACE.sub(" ", "".join(chars)).strip()
 
 
+def _encodable(value: str) -> bool:
+    """False for strings holding lone surrogates (JSON allows "\\ud800"), which no file can store."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _make_row(index: int, raw_id, text, voice) -> Union[Row, BadRow]:
     if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
         return BadRow(index, None, f"row {index} has an empty id")
     if isinstance(raw_id, (dict, list, float)):
         return BadRow(index, None, f"row {index} has an id of type {type(raw_id).__name__}; use strings or integers")
     row_id = str(raw_id)
+    if not _encodable(row_id):
+        return BadRow(index, None, f"row {index} has an id that is not valid Unicode: {row_id!r}")
     if text is None:
         return BadRow(index, row_id, "text is null")
     if not isinstance(text, str):
@@ -297,4 +308,6 @@ def _make_row(index: int, raw_id, text, voice) -> Union[Row, BadRow]:
         return BadRow(index, row_id, "text is empty (or only whitespace and control characters)")
     if voice is not None and not isinstance(voice, str):
         return BadRow(index, row_id, f"voice is a {type(voice).__name__}, expected a string")
+    if voice is not None and not _encodable(voice):
+        return BadRow(index, row_id, f"voice is not valid Unicode: {voice!r}")
     return Row(index=index, id=row_id, text=text, voice=voice or None)

@@ -7,6 +7,7 @@ finished batches in plan order. Queues between them are bounded, so memory stays
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,12 +16,13 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from . import __version__
-from .checkpoint import RUN_FILE, STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
+from .checkpoint import DUPLICATE_ID, RUN_FILE, STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Columns, Corpus, Row
 from .distributed import part_name, shard_of
@@ -34,7 +36,6 @@ from .stats import Progress, Stats
 log = logging.getLogger("cosybatch")
 
 FIRST_WINDOW_ROWS = 64  # the first window is small so audio starts flowing at once
-DUPLICATE_ID = "duplicate id; the first row with it was kept"
 METRICS_EVERY_S = 10.0  # how often the Prometheus textfile is refreshed during a run
 _DONE = object()
 
@@ -169,7 +170,11 @@ class EngineSet:
 def run(cfg: RunConfig) -> RunResult:
     if cfg.shard_count is not None:
         # Each worker owns a self-contained folder; `cosybatch merge` presents them as one.
-        cfg = replace(cfg, out=cfg.out / part_name(cfg.shard_index, cfg.shard_count))
+        part = part_name(cfg.shard_index, cfg.shard_count)
+        metrics = cfg.metrics_file
+        if metrics is not None:  # workers sharing a volume must not overwrite each other's file
+            metrics = metrics.with_name(f"{metrics.stem}.{part}{metrics.suffix}")
+        cfg = replace(cfg, out=cfg.out / part, metrics_file=metrics)
     out = OutputDir(cfg.out)
     try:
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -180,9 +185,19 @@ def run(cfg: RunConfig) -> RunResult:
     try:
         return _Job(cfg, out).run()
     except OSError as exc:
-        raise _output_error(cfg, exc) from exc
+        if _about_output(cfg, exc):
+            raise _output_error(cfg, exc) from exc
+        raise
     finally:
         out.unlock()
+
+
+def _about_output(cfg: RunConfig, exc: OSError) -> bool:
+    """Is this I/O error about writing the output (and so resumable once fixed)?"""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return True
+    name = exc.filename
+    return name is not None and Path(name).resolve().is_relative_to(cfg.out.resolve())
 
 
 def open_corpus(cfg: RunConfig) -> Corpus:
@@ -225,6 +240,9 @@ class _Job:
         self.interrupted_by: Optional[str] = None
         self.max_failed, self.max_failed_rate = cfg.failure_limit()
         self.batch_seconds = BatchHistogram()
+        self.exhausted = False  # every row was read and every batch dispatched
+        self.dropped_batches = 0  # batches skipped after a stop request
+        self._metrics_failed = False
         self._metrics_written = 0.0
         self.too_many_failures = False
 
@@ -288,6 +306,9 @@ class _Job:
         self.rows_lock = threading.Lock()
 
         work: queue.Queue = queue.Queue(maxsize=2 * self.workers)
+        # Batches dispatched but not yet committed, wherever they are (queued, computing, waiting
+        # in the results queue or the reorder buffer): bounded, so audio never piles up in memory.
+        self.uncommitted = threading.Semaphore(4 * self.workers + 4)
         results: queue.Queue = queue.Queue()
         workers = [threading.Thread(target=self._infer_loop, args=(work, results), daemon=True, name=f"infer-{i}")
                    for i in range(self.workers)]
@@ -343,17 +364,18 @@ class _Job:
         seq = 0
         it = iter(corpus)
         read_s = prep_s = 0.0
+        read_all = False
         while not self.stop.is_set():
             t = time.monotonic()
             row = next(it, None)
             read_s += time.monotonic() - t
             if row is None or (cfg.limit is not None and row.index >= cfg.limit):
+                read_all = True
                 break
             if cfg.shard_count is not None and shard_of(row.id if row.id is not None else f"#row{row.index}",
                                                         cfg.shard_count) != cfg.shard_index:
                 continue  # another worker's row
-            already_done = row.index in failed_rows if row.id is None else row.id in done_ids
-            if already_done:
+            if row.index in failed_rows or (row.id is not None and row.id in done_ids):
                 continue
             if isinstance(row, BadRow):
                 failures.append({"id": row.id, "row": row.index, "reason": row.reason})
@@ -389,29 +411,36 @@ class _Job:
                          for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True)))
             rows_in_window += 1
             if rows_in_window >= window_rows:
-                seq = self._dispatch(units, seq, work)
+                seq, _ = self._dispatch(units, seq, work)
                 units, rows_in_window = [], 0
                 window_rows = min(window_rows * 4, cfg.window)
             if len(failures) >= 256:
                 results.put(("failed", failures))
                 failures = []
-        if units and not self.stop.is_set():
-            self._dispatch(units, seq, work)
+        if read_all:
+            self.exhausted = self._dispatch(units, seq, work)[1] if units else True
         if failures:
             results.put(("failed", failures))
         self.stats.stage_s["read"] += read_s
         self.stats.stage_s["prepare"] += prep_s
 
-    def _dispatch(self, units: list[Unit], seq: int, work: queue.Queue) -> int:
+    def _dispatch(self, units: list[Unit], seq: int, work: queue.Queue) -> tuple[int, bool]:
+        """Plan a window and queue its batches; returns (next seq, whether all were queued)."""
         batches = plan_batches(units, self.batch_size, self.batch_budget, first_seq=seq)
         for batch in batches:
-            while not self.stop.is_set():
+            while not self.uncommitted.acquire(timeout=0.2):
+                if self.stop.is_set():
+                    return seq + len(batches), False
+            while True:
+                if self.stop.is_set():
+                    self.uncommitted.release()
+                    return seq + len(batches), False
                 try:
                     work.put(batch, timeout=0.2)
                     break
                 except queue.Full:
                     continue
-        return seq + len(batches)
+        return seq + len(batches), True
 
     # -- inference threads -------------------------------------------------------------------
     def _infer_loop(self, work: queue.Queue, results: queue.Queue) -> None:
@@ -420,7 +449,9 @@ class _Job:
             if batch is _DONE:
                 return
             if self.stop.is_set():
-                continue  # interrupted: queued batches are dropped and redone on resume
+                self.dropped_batches += 1  # interrupted: dropped now, redone on resume
+                self.uncommitted.release()
+                continue
             outcome = run_batch(self.engines.by_voice[batch.group], batch)
             results.put(("batch", outcome))
 
@@ -442,10 +473,12 @@ class _Job:
                 pending[payload.batch.seq] = payload
                 while next_seq in pending:
                     self._commit_batch(pending.pop(next_seq))
+                    self.uncommitted.release()
                     next_seq += 1
             # Interrupted: batches after a dropped one still hold finished rows worth keeping.
             for seq in sorted(pending):
                 self._commit_batch(pending.pop(seq))
+                self.uncommitted.release()
         except OSError as exc:
             # Nothing after the last commit counts; a rerun truncates it away.
             self.writer_error = _output_error(self.cfg, exc)
@@ -560,14 +593,22 @@ class _Job:
         from .metrics import write_textfile
 
         self._metrics_written = time.monotonic()
-        write_textfile(self.cfg.metrics_file, self._metrics_registry(snapshot))
+        try:
+            write_textfile(self.cfg.metrics_file, self._metrics_registry(snapshot))
+        except OSError as exc:  # monitoring must never stop the audio
+            if not self._metrics_failed:
+                log.error("cannot write --metrics-file %s: %s", self.cfg.metrics_file, exc)
+            self._metrics_failed = True
 
     def _finish(self) -> RunResult:
-        interrupted = self.stop.is_set()
+        # A stop that came after the last batch was committed interrupted nothing.
+        interrupted = self.stop.is_set() and not (self.exhausted and self.dropped_batches == 0)
         failed = self.stats.previous_items_failed + self.stats.items_failed
         done = self.stats.previous_items_done + self.stats.items_done
         if self.max_failed_rate is not None and failed > self.max_failed_rate * max(done + failed, 1):
             self.too_many_failures = True
+        if self.max_failed is not None and failed > self.max_failed:
+            self.too_many_failures = True  # also on a rerun that adds no new failure
         if not interrupted and self.shard is not None:
             self._close_shard()
         elif self.shard is not None:

@@ -33,12 +33,14 @@ from typing import Optional, Union
 
 from . import __version__
 from .checkpoint import (
+    DUPLICATE_ID,
     FAILURES_FILE,
     RAY_FAILURES_DIR,
     STATS_FILE,
     OutputDir,
     json_bytes,
     jsonl_bytes,
+    keyed_by_row,
     write_atomic,
     write_manifest_table,
 )
@@ -46,7 +48,7 @@ from .config import RunConfig, cpu_count
 from .corpus import BadRow, Corpus, Row
 from .engines import EngineOptions, RowRejected
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, UsageError
-from .job import DUPLICATE_ID, EngineSet, RunResult, open_corpus, render_item, run_batch
+from .job import EngineSet, RunResult, open_corpus, render_item, run_batch
 from .plan import Unit, plan_batches
 from .shards import ShardWriter
 from .stats import Progress, Stats
@@ -211,8 +213,8 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         for partial in cfg.out.glob("shard-*.tar.partial"):
             partial.unlink()  # a chunk that never finished; its rows are redone
         items, failures = scan_output(out)
-        done_ids = {i["id"] for i in items} | {f["id"] for f in failures if f["id"] is not None}
-        failed_rows = {f["row"] for f in failures if f["id"] is None}
+        done_ids = {i["id"] for i in items} | {f["id"] for f in failures if not keyed_by_row(f)}
+        failed_rows = {f["row"] for f in failures if keyed_by_row(f)}
         stats.previous_items_done = len(items)
         stats.previous_items_failed = len(failures)
         stats.previous_audio_s = sum(i["duration_s"] for i in items)
@@ -268,7 +270,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         for row in read_rows(corpus):
             if stop.is_set() or (cfg.limit is not None and row.index >= cfg.limit):
                 break
-            if (row.index in failed_rows) if row.id is None else (row.id in done_ids):
+            if row.index in failed_rows or (row.id is not None and row.id in done_ids):
                 continue
             if isinstance(row, BadRow) or row.id in seen:
                 reason = row.reason if isinstance(row, BadRow) else DUPLICATE_ID

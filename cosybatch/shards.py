@@ -8,6 +8,7 @@ A resumed run truncates the partial file back to the last offset the journal rec
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -19,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 TAR_BLOCK = 512
-MAX_KEY_CHARS = 80
+MAX_KEY_CHARS = 64  # + "_" + 20 hex digits + ".json" stays within ustar's 100-character names
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -29,7 +30,7 @@ def item_key(item_id: str) -> str:
     clean = _UNSAFE.sub("_", item_id)[:MAX_KEY_CHARS]
     if clean == item_id:
         return clean
-    digest = hashlib.blake2b(item_id.encode("utf-8", "surrogatepass"), digest_size=5).hexdigest()
+    digest = hashlib.blake2b(item_id.encode("utf-8", "surrogatepass"), digest_size=10).hexdigest()
     return f"{clean}_{digest}" if clean else digest
 
 
@@ -47,7 +48,7 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -63,8 +64,14 @@ class ShardWriter:
         self.index = index
         self.final_path = self.out_dir / (name or shard_name(index))
         self.partial_path = self.final_path.with_name(self.final_path.name + ".partial")
-        mode = "r+b" if offset and self.partial_path.exists() else "wb"
+        if offset and not self.partial_path.exists():
+            raise OSError(errno.ENOENT, f"{self.partial_path.name} is missing but the journal has "
+                          f"{items} committed items in it; the output folder was changed by hand "
+                          "(restore the file, or rerun with --restart)", str(self.partial_path))
+        mode = "r+b" if offset else "wb"
         self._file = open(self.partial_path, mode)
+        if mode == "wb":
+            fsync_dir(self.out_dir)  # the new name must survive a power loss too
         if mode == "r+b":
             size = self._file.seek(0, os.SEEK_END)
             if size < offset:
@@ -102,7 +109,7 @@ class ShardWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self.partial_path, self.final_path)
-        _fsync_dir(self.out_dir)
+        fsync_dir(self.out_dir)
         return self.final_path
 
     def abandon(self) -> None:

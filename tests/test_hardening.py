@@ -208,3 +208,31 @@ def test_usage_errors_exit_2():
     missing = subprocess.run([sys.executable, "-m", "cosybatch", "run", str(ROOT / "nope.parquet")],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 3 and "no such corpus file" in missing.stderr
+
+
+def test_ids_that_are_not_unicode_fail_alone(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "ok-1", "text": "Fine."}\n{"id": "bad\\ud800", "text": "Surrogate id."}\n'
+                      '{"id": "ok-2", "text": "Also fine.", "voice": "v\\udfff"}\n{"id": "ok-3", "text": "Last."}\n')
+    out = tmp_path / "out"
+    result = run(RunConfig(corpus=corpus, out=out, progress="none"))
+    assert set(read_output(out)) == {"ok-1", "ok-3"}
+    reasons = [json.loads(line)["reason"] for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert "not valid Unicode" in reasons[0] and "voice is not valid Unicode" in reasons[1]
+    assert result.stats["items_failed"] == 2
+
+
+def test_unwritable_metrics_file_does_not_stop_the_audio(tmp_path):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
+    result = run(RunConfig(corpus=corpus, out=tmp_path / "out", metrics_file=tmp_path / "no" / "such" / "m.prom",
+                           progress="none"))
+    assert result.status == "complete" and result.exit_code == 0
+
+
+def test_long_ids_with_a_common_prefix_get_distinct_short_keys():
+    from cosybatch.shards import item_key
+
+    ids = [f"https://example.com/{'a' * 150}/{i}" for i in range(1000)]
+    keys = {item_key(i) for i in ids}
+    assert len(keys) == 1000
+    assert all(len(k) + len(".json") <= 100 for k in keys)

@@ -131,3 +131,40 @@ def test_second_writer_is_refused(tmp_path):
     result = run(RunConfig(corpus=corpus, out=out, progress="none", limit=2))
     assert result.status == "complete"
     os.sync()
+
+
+def test_duplicate_failure_never_hides_the_first_row(tmp_path):
+    """The duplicate's failure can be committed before the first row's audio; a resume must still
+    synthesise the first row (failures of duplicates are keyed by row number, not id)."""
+    from cosybatch.checkpoint import DUPLICATE_ID, OutputDir
+
+    rows = [{"id": "x", "text": "First."}, {"id": "y", "text": "Second."}, {"id": "x", "text": "Again."}]
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    # A run stopped by its failure limit right after committing the duplicate's failure.
+    run(RunConfig(corpus=corpus, out=out, max_failures="0", progress="none"))
+    state = OutputDir(out).resume_state()
+    assert 2 in state.failed_rows and ("x" not in state.done_ids or "x" in read_output(out))
+    result = run(RunConfig(corpus=corpus, out=out, progress="none"))
+    assert result.status == "complete"
+    items = read_output(out)
+    assert set(items) == {"x", "y"} and items["x"]["meta"]["text"] == "First."
+    failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert [(f["id"], f["row"], f["reason"]) for f in failures] == [("x", 2, DUPLICATE_ID)]
+
+
+def test_a_missing_partial_shard_is_an_error_not_silent_loss(tmp_path):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(6))
+    out = tmp_path / "out"
+    proc = start(corpus, out)
+    wait_for_items(out, proc, 1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partials = list(out.glob("*.partial"))
+    if not partials:
+        pytest.skip("the run closed its shard before the kill")
+    partials[0].unlink()
+    from cosybatch.errors import OutputError
+
+    with pytest.raises(OutputError, match="is missing but the journal has"):
+        run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
