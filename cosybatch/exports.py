@@ -61,6 +61,8 @@ def export_hf(root: Path) -> Path:
     dest = root / "exports" / "hf" / "data"
     dest.mkdir(parents=True, exist_ok=True)
     paths = shards(root)
+    for stale in dest.glob("train-*.parquet"):  # an earlier export may have had more files
+        stale.unlink()
     sample_rate = None
     # A worker whose shard of the corpus is empty still gets one (empty) file, so it loads.
     for n, shard in enumerate(paths or [None]):

@@ -5,11 +5,11 @@
     ray_run(RunConfig(corpus=Path("corpus.parquet"), out=Path("s3-mounted/out")),
             RayOptions(address="auto", actors=8, num_gpus=1))
 
-The driver reads the corpus with Ray Data (in file order, so row numbers and "first id wins"
-mean what they mean for `cosybatch run`), applies the same row checks, and hands chunks of rows to
-a pool of actors. Each actor holds an engine (`num_gpus` per actor), buckets its chunk by length,
-synthesises it and writes the chunk as one tar shard, `shard-<digest>.tar`, where the digest
-is a hash of the chunk's ids.
+The driver reads the corpus in file order (Parquet through Ray Data, JSONL line by line), so
+row numbers and "first id wins" mean what they mean for `cosybatch run`. It applies the same
+row checks and hands chunks of rows to a pool of actors. Each actor holds an engine (`num_gpus`
+per actor), buckets its chunk by length, synthesises it and writes the chunk as one tar shard,
+`shard-<digest>.tar`, where the digest is a hash of the chunk's ids.
 
 The tar shards themselves are the checkpoint. A shard is written as `.partial` and renamed when
 whole, and a rerun reads the ids in the finished shards. A run that died after writing a shard
@@ -158,30 +158,22 @@ def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
 
 
 def read_rows(corpus: Corpus) -> Iterator[Union[Row, BadRow]]:
-    """The corpus through Ray Data, in file order, with the same row checks as `Corpus`."""
+    """The corpus in file order, with the same row checks as `Corpus`. Parquet is read through
+    Ray Data. JSONL is read by the driver itself: Ray's text reader splits lines on every Unicode
+    line break (U+0085, U+2028...), which would cut rows apart and renumber the rest."""
+    if corpus.format != "parquet":
+        yield from corpus
+        return
     import ray.data
 
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False  # cosybatch reports progress itself
     index = 0
-    if corpus.format == "parquet":
-        ds = ray.data.read_parquet(str(corpus.path)).select_columns(corpus.read_columns)
-        for batch in ds.iter_batches(batch_size=4096, batch_format="pyarrow"):
-            yield from corpus.rows_from_columns(batch.to_pydict(), index)
-            index += batch.num_rows
-        return
-    # latin-1 maps every byte to one character, so encoding back gives the line's exact bytes and
-    # a line of bad UTF-8 fails alone, in our own check, instead of failing the whole read.
-    args = {"compression": "gzip"} if corpus.path.name.lower().endswith(".gz") else None
-    ds = ray.data.read_text(str(corpus.path), encoding="latin-1", drop_empty_lines=False,
-                            arrow_open_stream_args=args)
+    ds = ray.data.read_parquet(str(corpus.path)).select_columns(corpus.read_columns)
     for batch in ds.iter_batches(batch_size=4096, batch_format="pyarrow"):
-        for line in batch.column("text").to_pylist():
-            raw = line.encode("latin-1")
-            if raw.strip():
-                yield corpus.row_from_json_line(index, raw)
-            index += 1
+        yield from corpus.rows_from_columns(batch.to_pydict(), index)
+        index += batch.num_rows
 
 
 def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
@@ -190,10 +182,14 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
 
     if cfg.shard_count is not None:
         raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
-    unsupported = [name for name in ("metrics_file", "pushgateway", "max_runtime") if getattr(cfg, name)]
+    defaults = RunConfig(corpus=cfg.corpus, out=cfg.out)
+    unsupported = [name for name in ("metrics_file", "pushgateway", "max_runtime", "shard_max_items",
+                                     "shard_max_bytes", "workers", "window")
+                   if getattr(cfg, name) != getattr(defaults, name)]
     if unsupported:
-        raise UsageError(f"ray-run does not support {', '.join(unsupported)} yet (Ray's own dashboard and "
-                         "job timeouts cover them); remove them from the flags or the job spec")
+        raise UsageError(f"ray-run does not support {', '.join(unsupported)}: Ray's dashboard and job timeouts "
+                         "cover metrics and time limits, and each ray-run shard is one chunk (--rows-per-task); "
+                         "remove them from the flags or the job spec")
     out = OutputDir(cfg.out)
     cfg.out.mkdir(parents=True, exist_ok=True)
     out.lock()
@@ -307,17 +303,17 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=probe.name, voice=probe.voice_name,
                                  device=device, runner="ray", actors=opts.actors, cosybatch=__version__)
         write_atomic(cfg.out / STATS_FILE, json_bytes(snapshot))
-        if status == "complete":
-            from .exports import export
-
-            for fmt in cfg.export:
-                export(cfg.out, fmt)
         max_count, max_rate = cfg.failure_limit()
         if (max_count is not None and len(failures) > max_count) or (
                 max_rate is not None and len(failures) > max_rate * max(len(items) + len(failures), 1)):
             log.error("%d rows failed, over --max-failures %s; see %s", len(failures), cfg.max_failures,
                       cfg.out / FAILURES_FILE)
             return RunResult("too_many_failures", EXIT_TOO_MANY_FAILURES, snapshot)
+        if status == "complete":
+            from .exports import export
+
+            for fmt in cfg.export:
+                export(cfg.out, fmt)
         return RunResult(status, EXIT_INTERRUPTED if stop.is_set() else EXIT_OK, snapshot)
     finally:
         if started_ray:

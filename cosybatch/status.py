@@ -3,6 +3,7 @@ running job is never disturbed."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -16,14 +17,20 @@ from .errors import UsageError
 RATE_WINDOW_S = 120.0  # the rate is measured over the last two minutes of commits
 
 
-def _pid_alive(pid: int) -> bool:
+def _lock_held(path: Path) -> bool:
+    """Is a run holding this folder's lock? A shared, non-blocking probe, released at once: it
+    tells the truth across hosts and containers, where a pid says nothing."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return False
-    except PermissionError:  # alive, owned by someone else
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)  # closing releases a probe lock we took
+    return False
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -51,7 +58,7 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         pid_text = (state / LOCK_FILE).read_text().strip()
     except OSError:
         pid_text = ""
-    running = bool(pid_text) and _pid_alive(int(pid_text))
+    running = _lock_held(state / LOCK_FILE)
     if running:
         status = "running"
     elif stats is not None and stats.get("wall_seconds") is not None and (
@@ -72,7 +79,7 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         eta = max(total - done - failed, 0) / rate
     return {"folder": str(folder), "status": status, "done": done, "failed": failed, "total": total,
             "total_is_estimate": bool(run.get("total_is_estimate")), "items_per_second": rate,
-            "eta_seconds": eta, "pid": int(pid_text) if running else None,
+            "eta_seconds": eta, "pid": int(pid_text) if running and pid_text.isdigit() else None,
             "audio_seconds": stats.get("job_totals", {}).get("audio_seconds") if stats and not running else None}
 
 
@@ -81,18 +88,24 @@ def job_status(root: Path) -> dict:
     if not folders:
         raise UsageError(f"{root} holds no cosybatch job (no .cosybatch folder, no part-* folders)")
     parts = [part_status(f) for f in folders]
+    missing = []
+    counts = {int(f.name.split("-of-")[1]) for f in folders if f.name.startswith("part-")}
+    if len(counts) == 1:
+        count = counts.pop()
+        present = {int(f.name.split("-")[1]) for f in folders}
+        missing = sorted(set(range(count)) - present)
     totals = [p["total"] for p in parts]
     rates = [p["items_per_second"] for p in parts if p["items_per_second"]]
     done = sum(p["done"] for p in parts)
     failed = sum(p["failed"] for p in parts)
-    total = sum(totals) if all(t is not None for t in totals) else None
+    total = sum(totals) if all(t is not None for t in totals) and not missing else None
     rate = sum(rates) if rates else None
-    statuses = {p["status"] for p in parts}
+    statuses = {p["status"] for p in parts} | ({"not started"} if missing else set())
     status = statuses.pop() if len(statuses) == 1 else ("running" if "running" in statuses else "partial")
     return {"root": str(root), "status": status, "done": done, "failed": failed, "total": total,
             "total_is_estimate": any(p["total_is_estimate"] for p in parts), "items_per_second": rate,
             "eta_seconds": max(total - done - failed, 0) / rate if rate and total is not None else None,
-            "parts": parts if len(parts) > 1 else []}
+            "parts": parts if len(parts) > 1 or missing else [], "missing_parts": missing}
 
 
 def describe(status: dict) -> str:
@@ -106,4 +119,6 @@ def describe(status: dict) -> str:
     lines = [line]
     for p in status["parts"]:
         lines.append(f"  {Path(p['folder']).name}: {p['status']}, {p['done']} done, {p['failed']} failed")
+    if status["missing_parts"]:
+        lines.append(f"  parts not started: {status['missing_parts']}")
     return "\n".join(lines)

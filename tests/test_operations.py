@@ -133,6 +133,8 @@ def test_merge_refuses_missing_parts(tmp_path):
     run(RunConfig(corpus=corpus, out=tmp_path / "out", shard_index=0, shard_count=2, progress="none"))
     proc = cosybatch("merge", str(tmp_path / "out"))
     assert proc.returncode == 2 and "parts [1] of 2 are missing" in proc.stderr
+    status = json.loads(cosybatch("status", str(tmp_path / "out"), "--json").stdout)
+    assert status["status"] == "partial" and status["missing_parts"] == [1]
     assert json.loads(cosybatch("merge", str(tmp_path / "out"), "--partial").stdout)["problems"]
 
 

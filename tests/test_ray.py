@@ -96,3 +96,16 @@ def test_options_ray_run_cannot_honour_are_refused(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", rows(1))
     with pytest.raises(UsageError, match="ray-run does not support metrics_file"):
         ray_run(RunConfig(corpus=corpus, out=tmp_path / "o", metrics_file=tmp_path / "m.prom"), RayOptions())
+
+
+def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
+    """U+0085 and U+2028 are line breaks to str.splitlines; inside JSON strings they are text."""
+    import json
+
+    lines = [{"id": "a", "text": "Åse went home."}, {"id": "b", "text": "One\u2028two."}, {"text": "x", "id": "c"}]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
+    result = ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", progress="none"), RayOptions(actors=1))
+    items = read_output(tmp_path / "out")
+    assert set(items) == {"a", "b", "c"} and result.stats["items_failed"] == 0
+    assert [items[k]["meta"]["row"] for k in "abc"] == [0, 1, 2]
