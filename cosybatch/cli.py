@@ -230,6 +230,8 @@ def ray_run_cmd(
         _fail("ray-run needs Ray: pip install 'cosybatch[ray]'", EXIT_USAGE)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted while the Ray cluster was starting; rerun to resume", EXIT_INTERRUPTED)
     print(result.summary_line())
     raise typer.Exit(result.exit_code)
 

@@ -45,10 +45,17 @@ def iter_shard(path: Path) -> Iterator[tuple[str, dict, bytes]]:
                 yield key, json.loads(entry["json"]), entry["wav"]
 
 
-def export(root: Path, fmt: str) -> Path:
+def export(root: Path, fmt: str, require_complete: bool = True) -> Path:
+    """Write one format. A run exporting its own output at the end passes require_complete=False."""
     root = Path(root)
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
+    for folder in output_dirs(root) if require_complete else ():
+        stats = folder / "stats.json"
+        status = json.loads(stats.read_text()).get("status") if stats.exists() else None
+        if status != "complete":
+            raise UsageError(f"{folder} is not complete (status: {status or 'never finished'}); "
+                             "finish the run (rerun it to resume) before exporting")
     return {"hf": export_hf, "nemo": export_nemo, "lhotse": export_lhotse}[fmt](root)
 
 

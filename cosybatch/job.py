@@ -622,7 +622,7 @@ class _Job:
             from .exports import export
 
             for fmt in self.cfg.export:
-                export(self.cfg.out, fmt)
+                export(self.cfg.out, fmt, require_complete=False)
         stats = self._snapshot(status)
         write_atomic(self.cfg.out / STATS_FILE, json_bytes(stats))
         if self.cfg.metrics_file is not None:

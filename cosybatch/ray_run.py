@@ -47,7 +47,7 @@ from .checkpoint import (
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Corpus, Row
 from .engines import EngineOptions, RowRejected
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
 from .job import EngineSet, RunResult, open_corpus, render_item, run_batch
 from .plan import Unit, plan_batches
 from .shards import ShardWriter
@@ -237,6 +237,15 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
                             len(items) + len(failures), cfg.progress, cfg.log_every)
         driver_failures: list[dict] = []
 
+        def next_result() -> dict:
+            try:
+                return pool.get_next_unordered()
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, OSError):  # an actor could not write (disk full): resumable
+                    raise OutputError(f"an actor could not write to {cfg.out} ({exc.cause}); finished "
+                                      "shards are intact: free space, then rerun the same command") from None
+                raise
+
         def collect(result: dict) -> None:
             stats.items_done += len(result["items"])
             stats.items_failed += len(result["failures"])
@@ -282,7 +291,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
             chunk.append((row.index, row.id, row.text, row.voice))
             if len(chunk) >= opts.rows_per_task:
                 while not pool.has_free():
-                    collect(pool.get_next_unordered())
+                    collect(next_result())
                 pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
                 chunk = []
                 flush_driver_failures()
@@ -291,7 +300,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         flush_driver_failures()
         stats.stage_s["read"] = time.monotonic() - t_read
         while pool.has_next():
-            collect(pool.get_next_unordered())
+            collect(next_result())
         progress.close()
         for s, h in previous.items():
             signal.signal(s, h)
@@ -313,7 +322,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
             from .exports import export
 
             for fmt in cfg.export:
-                export(cfg.out, fmt)
+                export(cfg.out, fmt, require_complete=False)
         return RunResult(status, EXIT_INTERRUPTED if stop.is_set() else EXIT_OK, snapshot)
     finally:
         if started_ray:
