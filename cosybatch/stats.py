@@ -64,7 +64,9 @@ class Progress:
 
     def __init__(self, total: Optional[int], initial: int, mode: str = "auto", every_s: float = 30.0):
         if mode == "auto":
-            mode = "bar" if sys.stderr.isatty() else "log"
+            # A bar only for a person at a terminal; any redirection (cron, Airflow, `| tee`) gets
+            # plain log lines that read well in a file.
+            mode = "bar" if sys.stdout.isatty() and sys.stderr.isatty() else "log"
         self.mode = mode
         self.total = total
         self.initial = initial
