@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import JOURNAL_FILE, LOCK_FILE, RUN_FILE, STATE_DIR, STATS_FILE, Journal
+from .checkpoint import JOB_FILE, JOURNAL_FILE, LOCK_FILE, RAY_FAILURES_DIR, RUN_FILE, STATE_DIR, STATS_FILE, Journal
 from .distributed import output_dirs
 from .errors import UsageError
 
@@ -40,6 +40,20 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
 
 
+def _ray_counts(folder: Path) -> tuple[int, int]:
+    """A ray-run folder has no journal: its finished shards and failure files are its state.
+    Only tar headers are read (one .json member per item), never the audio."""
+    import tarfile
+
+    done = 0
+    for shard in folder.glob("shard-*.tar"):
+        with tarfile.open(shard) as tar:
+            done += sum(1 for m in tar if m.name.endswith(".json"))
+    failed = sum(len([line for line in p.read_text().splitlines() if line.strip()])
+                 for p in (folder / STATE_DIR / RAY_FAILURES_DIR).glob("*.jsonl"))
+    return done, failed
+
+
 def part_status(folder: Path, now: Optional[float] = None) -> dict:
     now = time.time() if now is None else now
     state = folder / STATE_DIR
@@ -54,6 +68,8 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
                 commits.append((rec["ts"], len(rec["items"])))
         elif rec.get("t") == "failed":
             failed += len(rec["items"])
+    if (state / RAY_FAILURES_DIR).is_dir():
+        done, failed = _ray_counts(folder)
     try:
         pid_text = (state / LOCK_FILE).read_text().strip()
     except OSError:
@@ -64,7 +80,7 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
     elif stats is not None and stats.get("wall_seconds") is not None and (
             (folder / STATS_FILE).stat().st_mtime >= run.get("started", 0)):
         status = stats["status"]
-    elif run:
+    elif run or (state / JOB_FILE).exists():
         status = "stopped"  # killed or crashed: rerun the same command to resume
     else:
         status = "not started"

@@ -30,6 +30,10 @@ def test_hundred_rows_every_id_once_and_same_bytes_as_run(tmp_path):
                      RayOptions(actors=2, rows_per_task=16))
     assert result.status == "complete" and result.stats["items_done"] == 100
     items = read_output(tmp_path / "ray")
+    from cosybatch.status import job_status
+
+    status = job_status(tmp_path / "ray")
+    assert (status["status"], status["done"], status["failed"]) == ("complete", 100, 0)
     assert sorted(items) == sorted(r["id"] for r in data)
     assert not list((tmp_path / "ray").glob("*.partial"))
 
