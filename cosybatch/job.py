@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -112,6 +112,35 @@ def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig) -> tup
     record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": engine.voice_name,
               "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate}
     return key, members, record
+
+
+class RowGate:
+    """Which rows a run still has to synthesise, for `run` and `ray-run` alike. It skips what a
+    resume says is done, and turns bad rows, duplicate ids (the first row wins) and over-long
+    texts into failure records. One instance per run, fed rows in file order."""
+
+    def __init__(self, done_ids: set, failed_rows: set, max_chars: int):
+        self.done_ids = done_ids
+        self.failed_rows = failed_rows
+        self.max_chars = max_chars
+        self.seen = set(done_ids)
+
+    def admit(self, row: Union[Row, BadRow]) -> Union[Row, dict, None]:
+        """The row to synthesise, a failure record for it, or None when it is already done."""
+        if row.index in self.failed_rows or (row.id is not None and row.id in self.done_ids):
+            return None
+        if isinstance(row, BadRow):
+            if row.id is not None:
+                self.seen.add(row.id)
+            return {"id": row.id, "row": row.index, "reason": row.reason}
+        if row.id in self.seen:
+            return {"id": row.id, "row": row.index, "reason": DUPLICATE_ID}
+        self.seen.add(row.id)
+        if len(row.text) > self.max_chars:
+            return {"id": row.id, "row": row.index, "reason":
+                    f"text is {len(row.text)} characters, over --max-chars {self.max_chars}; "
+                    "split the row or raise the limit"}
+        return row
 
 
 def run_batch(engine, batch: Batch) -> _Outcome:
@@ -355,7 +384,7 @@ class _Job:
     def _produce(self, corpus: Corpus, done_ids: set, failed_rows: set, work: queue.Queue,
                  results: queue.Queue) -> None:
         cfg = self.cfg
-        seen = set(done_ids)
+        gate = RowGate(done_ids, failed_rows, cfg.max_chars)
         window_rows = FIRST_WINDOW_ROWS
         units: list[Unit] = []
         failures: list[dict] = []
@@ -375,21 +404,11 @@ class _Job:
             if cfg.shard_count is not None and shard_of(row.id if row.id is not None else f"#row{row.index}",
                                                         cfg.shard_count) != cfg.shard_index:
                 continue  # another worker's row
-            if row.index in failed_rows or (row.id is not None and row.id in done_ids):
+            admitted = gate.admit(row)
+            if admitted is None:
                 continue
-            if isinstance(row, BadRow):
-                failures.append({"id": row.id, "row": row.index, "reason": row.reason})
-                if row.id is not None:
-                    seen.add(row.id)
-                continue
-            if row.id in seen:
-                failures.append({"id": row.id, "row": row.index, "reason": DUPLICATE_ID})
-                continue
-            seen.add(row.id)
-            if len(row.text) > cfg.max_chars:
-                failures.append({"id": row.id, "row": row.index, "reason":
-                                 f"text is {len(row.text)} characters, over --max-chars {cfg.max_chars}; "
-                                 "split the row or raise the limit"})
+            if isinstance(admitted, dict):
+                failures.append(admitted)
                 continue
             t = time.monotonic()
             try:

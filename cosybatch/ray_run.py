@@ -33,7 +33,6 @@ from typing import Optional, Union
 
 from . import __version__
 from .checkpoint import (
-    DUPLICATE_ID,
     FAILURES_FILE,
     RAY_FAILURES_DIR,
     STATS_FILE,
@@ -48,7 +47,7 @@ from .config import RunConfig, cpu_count
 from .corpus import BadRow, Corpus, Row
 from .engines import EngineOptions, RowRejected
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
-from .job import EngineSet, RunResult, open_corpus, render_item, run_batch
+from .job import EngineSet, RowGate, RunResult, open_corpus, render_item, run_batch
 from .plan import Unit, plan_batches
 from .shards import ShardWriter
 from .stats import Progress, Stats
@@ -269,24 +268,17 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
                 driver_failures.clear()
 
         (out.state / RAY_FAILURES_DIR).mkdir(parents=True, exist_ok=True)
-        seen = set(done_ids)
+        gate = RowGate(done_ids, failed_rows, cfg.max_chars)
         chunk: list[tuple] = []
         t_read = time.monotonic()
         for row in read_rows(corpus):
             if stop.is_set() or (cfg.limit is not None and row.index >= cfg.limit):
                 break
-            if row.index in failed_rows or (row.id is not None and row.id in done_ids):
+            admitted = gate.admit(row)
+            if admitted is None:
                 continue
-            if isinstance(row, BadRow) or row.id in seen:
-                reason = row.reason if isinstance(row, BadRow) else DUPLICATE_ID
-                driver_failures.append({"id": row.id, "row": row.index, "reason": reason})
-                if row.id is not None:
-                    seen.add(row.id)
-                continue
-            seen.add(row.id)
-            if len(row.text) > cfg.max_chars:
-                driver_failures.append({"id": row.id, "row": row.index, "reason":
-                                        f"text is {len(row.text)} characters, over --max-chars {cfg.max_chars}"})
+            if isinstance(admitted, dict):
+                driver_failures.append(admitted)
                 continue
             chunk.append((row.index, row.id, row.text, row.voice))
             if len(chunk) >= opts.rows_per_task:
