@@ -1,0 +1,167 @@
+"""Read a CosyVoice model's yaml (``cosyvoice2.yaml``) as data, never as code.
+
+Upstream loads these files with hyperpyyaml, whose tags import and call Python objects
+(``!new:module.Class``, ``!name:module.func``, ``!apply:func``). A model directory is untrusted
+input, so here every tag becomes plain data: ``!new:`` and ``!name:`` become a :class:`Call`
+naming the target and holding its arguments, ``!apply:`` entries are dropped (upstream uses them to
+seed random generators), and ``!ref <key>`` is resolved against the file's own keys, with simple
+arithmetic (``!ref <a> * <b>``) evaluated by a small parser of our own.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class Call:
+    """A ``!new:target`` or ``!name:target`` node: what upstream would construct, and with what."""
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    args: list[Any] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.target.rsplit(".", 1)[-1]
+
+
+@dataclass
+class _Ref:
+    expr: str
+
+
+class _Apply:
+    """Marker for ``!apply:`` nodes, which are dropped."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that turns hyperpyyaml tags into data."""
+
+
+def _call(loader: _Loader, suffix: str, node: yaml.Node) -> Call:
+    if isinstance(node, yaml.MappingNode):
+        return Call(suffix, kwargs=loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return Call(suffix, args=loader.construct_sequence(node, deep=True))
+    value = loader.construct_scalar(node)
+    return Call(suffix, args=[value] if value not in ("", None) else [])
+
+
+def _apply(loader: _Loader, suffix: str, node: yaml.Node) -> _Apply:
+    return _Apply()
+
+
+def _ref(loader: _Loader, node: yaml.Node) -> _Ref:
+    return _Ref(str(loader.construct_scalar(node)))
+
+
+_Loader.add_multi_constructor("!new:", _call)
+_Loader.add_multi_constructor("!name:", _call)
+_Loader.add_multi_constructor("!apply:", _apply)
+_Loader.add_constructor("!ref", _ref)
+_Loader.add_constructor("!copy", _ref)
+
+_REF = re.compile(r"<([A-Za-z_][A-Za-z0-9_]*)((?:\[[^\]]+\])*)>")
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+
+
+def _arith(node: ast.AST) -> float | int:
+    """Evaluate a parsed expression made only of numbers, + - * / // % ** and parentheses."""
+    if isinstance(node, ast.Expression):
+        return _arith(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_arith(node.left), _arith(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _arith(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError("only numbers and + - * / // % ** are allowed")
+
+
+class _Resolver:
+    def __init__(self, root: dict[str, Any]):
+        self.root = root
+        self.active: set[str] = set()
+
+    def lookup(self, name: str, subscripts: str) -> Any:
+        if name not in self.root:
+            raise ValueError(f"!ref <{name}> names no top-level key")
+        if name in self.active:
+            raise ValueError(f"!ref <{name}> refers to itself")
+        self.active.add(name)
+        try:
+            value = self.resolve(self.root[name])
+        finally:
+            self.active.discard(name)
+        for key in re.findall(r"\[([^\]]+)\]", subscripts):
+            key = key.strip("'\"")
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        return value
+
+    def expr(self, text: str) -> Any:
+        refs = list(_REF.finditer(text))
+        whole = refs and len(refs) == 1 and refs[0].group(0) == text.strip()
+        if whole:
+            return self.lookup(refs[0].group(1), refs[0].group(2))
+        substituted = _REF.sub(lambda m: repr(self.lookup(m.group(1), m.group(2))), text)
+        try:
+            return _arith(ast.parse(substituted, mode="eval"))
+        except (SyntaxError, ValueError) as exc:
+            raise ValueError(f"cannot evaluate !ref {text!r}: {exc}") from None
+
+    def resolve(self, value: Any) -> Any:
+        if isinstance(value, _Ref):
+            return self.expr(value.expr)
+        if isinstance(value, Call):
+            return Call(value.target, self.resolve(value.kwargs), self.resolve(value.args))
+        if isinstance(value, dict):
+            return {k: self.resolve(v) for k, v in value.items() if not isinstance(v, _Apply)}
+        if isinstance(value, list):
+            return [self.resolve(v) for v in value if not isinstance(v, _Apply)]
+        return value
+
+
+def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Parse a hyperpyyaml file into plain data with :class:`Call` nodes; never imports anything.
+
+    ``overrides`` replace top-level keys before references are resolved (upstream passes
+    ``qwen_pretrain_path`` this way).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    raw = {k: v for k, v in raw.items() if not isinstance(v, _Apply)}
+    raw.update(overrides or {})
+    try:
+        return _Resolver(raw).resolve(raw)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def expect(node: Any, *names: str, where: str) -> Call:
+    """Check that ``node`` constructs one of the classes ``names`` (by class name) and return it."""
+    if not isinstance(node, Call) or node.name not in names:
+        found = node.target if isinstance(node, Call) else type(node).__name__
+        raise ValueError(f"{where}: expected {' or '.join(names)}, found {found}; this model family is not supported")
+    return node
