@@ -1,0 +1,69 @@
+"""Speech tokens -> waveforms for whole batches: the flow, then the HiFT vocoder."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .flow import FlowInput
+from .model import ModelConfig, load_flow, load_hift, read_config
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Token2Wav:
+    """The flow and the vocoder of one CosyVoice2 model directory.
+
+    ``precision`` other than fp32 runs the flow under CUDA autocast (the vocoder stays fp32, as
+    upstream's fp16 mode does); on CPU it is refused rather than silently ignored.
+    """
+
+    def __init__(
+        self, model_dir: str | Path | ModelConfig, device: str | torch.device = "cpu", precision: str = "fp32"
+    ):
+        self.config = model_dir if isinstance(model_dir, ModelConfig) else read_config(model_dir)
+        self.device = torch.device(device)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if precision != "fp32" and self.device.type != "cuda":
+            raise ValueError(f"precision {precision} needs a CUDA device; on {self.device.type} use fp32")
+        self.precision = precision
+        self.flow = load_flow(self.config, self.device)
+        self.hift = load_hift(self.config, self.device)
+        self.sample_rate = self.config.sample_rate
+        self.samples_per_frame = self.config.samples_per_token // self.flow.token_mel_ratio
+
+    def _autocast(self):
+        dtype = PRECISIONS[self.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    @torch.inference_mode()
+    def mels(self, items: Sequence[FlowInput]) -> list[torch.Tensor]:
+        """One (80, 2T) fp32 mel per item, on the model's device."""
+        with self._autocast():
+            return [m.float() for m in self.flow.inference(items)]
+
+    @torch.inference_mode()
+    def vocode(self, mels: Sequence[torch.Tensor], seeds: Sequence[int]) -> list[np.ndarray]:
+        """Waveforms (float32, ``samples_per_frame`` per mel frame) for mels (80, L_i)."""
+        lengths = torch.tensor([m.size(1) for m in mels], device=self.device)
+        batch = torch.zeros(len(mels), mels[0].size(0), int(lengths.max()), device=self.device)
+        for i, mel in enumerate(mels):
+            batch[i, :, : mel.size(1)] = mel
+        generators = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        audio, audio_lengths = self.hift(batch, lengths, generators)
+        audio = audio.float().cpu().numpy()
+        return [audio[i, : int(n)].copy() for i, n in enumerate(audio_lengths.tolist())]
+
+    def __call__(self, items: Sequence[FlowInput], seeds: Sequence[int]) -> list[np.ndarray]:
+        if len(items) != len(seeds):
+            raise ValueError("one seed per item")
+        if not items:
+            return []
+        return self.vocode(self.mels(items), seeds)
