@@ -49,3 +49,11 @@ def engine():
     from cosybatch.engines import EngineOptions, open_engine
 
     return open_engine("piper", None, EngineOptions(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def cosyvoice_dir(tmp_path_factory) -> Path:
+    """A tiny CosyVoice2 model directory in the official layout, random weights, written once."""
+    from cosybatch.cosyvoice.tiny import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice") / "CosyVoice2-tiny")
