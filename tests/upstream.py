@@ -1,0 +1,108 @@
+"""Upstream CosyVoice's module code as a test oracle.
+
+PyPI carries the upstream modules inside ``cosyvoice2-eu`` (Apache-2.0), installed with
+``pip install --no-deps cosyvoice2-eu==0.2.8`` (its declared dependencies pin numpy 1.26 and pull
+deepspeed, lightning and more, none of which the modules below need). Two imports on the way are
+only used by training or file loading (``matcha.utils`` pulls lightning/hydra, ``torchaudio`` is
+used by ``load_wav``), so they are replaced by empty modules before the oracle is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import logging
+import sys
+import types
+
+INSTALL_HINT = "pip install --no-deps cosyvoice2-eu==0.2.8"
+
+
+def _empty_module(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attrs)
+    return module
+
+
+def load() -> types.SimpleNamespace:
+    """Import the upstream classes, or fail with the command that installs them."""
+    if "matcha.utils" not in sys.modules:
+        utils = _empty_module("matcha.utils")
+        utils.__path__ = []
+        sys.modules["matcha.utils"] = utils
+        sys.modules["matcha.utils.pylogger"] = _empty_module("matcha.utils.pylogger", get_pylogger=logging.getLogger)
+    sys.modules.setdefault("torchaudio", _empty_module("torchaudio"))
+    try:
+        from cosyvoice.flow.decoder import CausalConditionalDecoder
+        from cosyvoice.flow.flow import CausalMaskedDiffWithXvec
+        from cosyvoice.flow.flow_matching import CausalConditionalCFM
+        from cosyvoice.hifigan.f0_predictor import ConvRNNF0Predictor
+        from cosyvoice.hifigan.generator import HiFTGenerator
+        from cosyvoice.transformer.upsample_encoder import UpsampleConformerEncoder
+    except ImportError as exc:  # pragma: no cover - a set-up error, reported as such
+        raise RuntimeError(f"the upstream CosyVoice oracle is not installed ({exc}); run: {INSTALL_HINT}") from exc
+    return types.SimpleNamespace(
+        CausalMaskedDiffWithXvec=CausalMaskedDiffWithXvec,
+        CausalConditionalCFM=CausalConditionalCFM,
+        CausalConditionalDecoder=CausalConditionalDecoder,
+        UpsampleConformerEncoder=UpsampleConformerEncoder,
+        HiFTGenerator=HiFTGenerator,
+        ConvRNNF0Predictor=ConvRNNF0Predictor,
+    )
+
+
+def token2wav_models(model_dir, device="cpu"):
+    """Upstream's flow and HiFT built from a model directory's yaml, holding its flow.pt and hift.pt.
+
+    Built the way upstream's ``CosyVoice2`` does it (the yaml's arguments, strict loading, the
+    ``generator.`` prefix stripped from hift keys), without the LLM and frontend.
+    """
+    from pathlib import Path
+
+    import torch
+    from omegaconf import DictConfig
+
+    from cosybatch.cosyvoice.model import read_config
+
+    u = load()
+    config = read_config(model_dir)
+    fk = config.flow.kwargs
+    cfm = fk["decoder"]
+    decoder = u.CausalConditionalCFM(
+        in_channels=cfm.kwargs["in_channels"],
+        n_spks=cfm.kwargs["n_spks"],
+        spk_emb_dim=cfm.kwargs["spk_emb_dim"],
+        cfm_params=DictConfig(cfm.kwargs["cfm_params"].kwargs["content"]),
+        estimator=u.CausalConditionalDecoder(**cfm.kwargs["estimator"].kwargs),
+    )
+    rest = {k: v for k, v in fk.items() if k not in ("encoder", "decoder")}
+    encoder = u.UpsampleConformerEncoder(**fk["encoder"].kwargs)
+    flow = u.CausalMaskedDiffWithXvec(encoder=encoder, decoder=decoder, **rest)
+    flow.load_state_dict(torch.load(Path(model_dir) / "flow.pt", map_location="cpu", weights_only=True), strict=True)
+    hk = dict(config.hift.kwargs)
+    hk["f0_predictor"] = u.ConvRNNF0Predictor(**hk["f0_predictor"].kwargs)
+    hift = u.HiFTGenerator(**hk)
+    state = torch.load(Path(model_dir) / "hift.pt", map_location="cpu", weights_only=True)
+    hift.load_state_dict({k.replace("generator.", ""): v for k, v in state.items()}, strict=True)
+    return flow.to(device).eval(), hift.to(device).eval()
+
+
+def flow_inference(flow, item, device="cpu"):
+    """Upstream's single-item, non-streaming flow call for one :class:`FlowInput` -> (80, frames)."""
+    import torch
+
+    p = 0 if item.prompt_tokens is None else len(item.prompt_tokens)
+    prompt_tokens = item.prompt_tokens if p else torch.zeros(0, dtype=torch.long)
+    prompt_mel = item.prompt_mel if p else torch.zeros(0, 80)
+    mel, _ = flow.inference(
+        token=item.tokens[None].to(device),
+        token_len=torch.tensor([len(item.tokens)], device=device),
+        prompt_token=prompt_tokens[None].to(device),
+        prompt_token_len=torch.tensor([p], device=device),
+        prompt_feat=prompt_mel[None].to(device),
+        prompt_feat_len=torch.tensor([prompt_mel.size(0)], device=device),
+        embedding=item.embedding.reshape(1, -1).to(device),
+        streaming=False,
+        finalize=True,
+    )
+    return mel[0]
