@@ -14,7 +14,7 @@ import json
 import re
 import unicodedata
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
@@ -33,6 +33,8 @@ class Row:
     id: str
     text: str
     voice: Optional[str] = None
+    prompt_wav: Optional[str] = None  # zero-shot prompt audio (engines that clone voices)
+    prompt_text: Optional[str] = None  # what the prompt audio says
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,23 @@ class BadRow:
 
 @dataclass(frozen=True)
 class Columns:
-    """Which corpus columns hold what. `id` and `voice` are optional columns."""
+    """Which corpus columns hold what. `id`, `voice` and the prompt columns are optional.
+
+    Without an explicit voice column, 'voice' is used, else 'speaker' when the corpus has one."""
 
     id: str = "id"
     text: str = "text"
     voice: str = "voice"
     id_required: bool = False  # True when the user named the id column explicitly
     voice_required: bool = False
+    prompt_wav: str = "prompt_wav"
+    prompt_text: str = "prompt_text"
+
+    def with_voice(self, names) -> Columns:
+        """Fall back to a 'speaker' column when no voice column was named and 'voice' is absent."""
+        if not self.voice_required and self.voice not in names and "speaker" in names:
+            return replace(self, voice="speaker")
+        return self
 
 
 def detect_format(path: Path, fmt: Optional[str] = None) -> str:
@@ -82,6 +94,7 @@ class Corpus:
         self.format = detect_format(self.path, fmt)
         self._has_id = True
         self._has_voice = False
+        self._prompt_cols: tuple[str, ...] = ()
         if self.format == "parquet":
             self._check_parquet_schema()
         else:
@@ -121,7 +134,13 @@ class Corpus:
                 raise CorpusError(
                     f"{self.path}: id column {c.id!r} has type {itype}; ids must be strings or integers."
                 )
+        self.columns = c = c.with_voice(names)
         self._has_voice = c.voice in names
+        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text) if n in names)
+        for name in self._prompt_cols:
+            ptype = schema.field(name).type
+            if not (pa.types.is_string(ptype) or pa.types.is_large_string(ptype) or pa.types.is_null(ptype)):
+                raise CorpusError(f"{self.path}: column {name!r} has type {ptype}, expected string.")
         if c.voice_required and not self._has_voice:
             raise CorpusError(
                 f"{self.path}: no voice column {c.voice!r}; columns found: {names}. "
@@ -135,6 +154,7 @@ class Corpus:
         with_text = 0
         with_id = 0
         with_voice = 0
+        with_prompt = {c.prompt_wav: 0, c.prompt_text: 0}
         try:
             for _, line in _jsonl_lines(self.path):
                 if objects >= JSONL_SNIFF_ROWS:
@@ -150,6 +170,8 @@ class Corpus:
                 with_text += c.text in obj
                 with_id += c.id in obj
                 with_voice += c.voice in obj
+                for name in with_prompt:
+                    with_prompt[name] += name in obj
         except (OSError, EOFError) as exc:
             raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
         if objects and not with_text:
@@ -164,7 +186,11 @@ class Corpus:
             )
         # Without an explicit --id-col, an id field is used when the file has one.
         self._has_id = c.id_required or with_id > 0
+        if not with_voice:
+            self.columns = c = c.with_voice(seen_keys)
+            with_voice = int(c.voice in seen_keys)
         self._has_voice = c.voice_required or with_voice > 0
+        self._prompt_cols = tuple(name for name, count in with_prompt.items() if count)
 
     # -- reading ------------------------------------------------------------------------------
     @property
@@ -224,7 +250,8 @@ class Corpus:
         if c.text not in obj:
             return BadRow(index, _id_or_none(raw_id), f"line {index + 1} has no {c.text!r} field")
         voice = obj.get(c.voice) if self._has_voice else None
-        return _make_row(index, raw_id, obj[c.text], voice)
+        prompts = {name: obj.get(name) for name in self._prompt_cols}
+        return _make_row(index, raw_id, obj[c.text], voice, prompts.get(c.prompt_wav), prompts.get(c.prompt_text))
 
     def rows_from_columns(self, data: dict, first_index: int) -> Iterator[Union[Row, BadRow]]:
         """Rows from a column batch {name: list} of a Parquet corpus, numbered from first_index."""
@@ -232,16 +259,20 @@ class Corpus:
         texts = data[c.text]
         ids = data[c.id] if self._has_id else None
         voices = data[c.voice] if self._has_voice else None
+        wavs = data.get(c.prompt_wav) if c.prompt_wav in self._prompt_cols else None
+        prompt_texts = data.get(c.prompt_text) if c.prompt_text in self._prompt_cols else None
         for k, text in enumerate(texts):
             index = first_index + k
             raw_id = ids[k] if ids is not None else index
             voice = voices[k] if voices is not None else None
-            yield _make_row(index, raw_id, text, voice)
+            yield _make_row(index, raw_id, text, voice, wavs[k] if wavs is not None else None,
+                            prompt_texts[k] if prompt_texts is not None else None)
 
     @property
     def read_columns(self) -> list[str]:
         c = self.columns
-        return [c.text] + ([c.id] if self._has_id else []) + ([c.voice] if self._has_voice else [])
+        return ([c.text] + ([c.id] if self._has_id else []) + ([c.voice] if self._has_voice else [])
+                + list(self._prompt_cols))
 
     def fingerprint(self) -> dict:
         """Identifies the corpus cheaply: its name, size and hashes of its first and last MiB."""
@@ -291,7 +322,7 @@ def _encodable(value: str) -> bool:
     return True
 
 
-def _make_row(index: int, raw_id, text, voice) -> Union[Row, BadRow]:
+def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None) -> Union[Row, BadRow]:
     if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
         return BadRow(index, None, f"row {index} has an empty id")
     if isinstance(raw_id, (dict, list, float)):
@@ -310,4 +341,14 @@ def _make_row(index: int, raw_id, text, voice) -> Union[Row, BadRow]:
         return BadRow(index, row_id, f"voice is a {type(voice).__name__}, expected a string")
     if voice is not None and not _encodable(voice):
         return BadRow(index, row_id, f"voice is not valid Unicode: {voice!r}")
-    return Row(index=index, id=row_id, text=text, voice=voice or None)
+    for name, value in (("prompt_wav", prompt_wav), ("prompt_text", prompt_text)):
+        if value is not None and not isinstance(value, str):
+            return BadRow(index, row_id, f"{name} is a {type(value).__name__}, expected a string")
+        if value is not None and not _encodable(value):
+            return BadRow(index, row_id, f"{name} is not valid Unicode: {value!r}")
+    if prompt_text is not None:
+        prompt_text = clean_text(prompt_text)
+    if prompt_text and not prompt_wav:
+        return BadRow(index, row_id, "prompt_text without prompt_wav; give the prompt audio too, or drop the text")
+    return Row(index=index, id=row_id, text=text, voice=voice or None, prompt_wav=prompt_wav or None,
+               prompt_text=prompt_text or None)
