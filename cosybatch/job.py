@@ -26,7 +26,7 @@ from .checkpoint import DUPLICATE_ID, RUN_FILE, STATS_FILE, Journal, OutputDir, 
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Columns, Corpus, Row
 from .distributed import part_name, shard_of
-from .engines import EngineOptions, RowRejected, open_engine
+from .engines import EngineOptions, Prepared, RowRejected, VoiceRequest, open_engine
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError, OutputError, UsageError
 from .metrics import BatchHistogram
 from .plan import Batch, Unit, plan_batches
@@ -99,9 +99,13 @@ def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig) -> tup
     """A finished row -> (shard key, tar members {ext: bytes}, manifest record)."""
     audio = assemble_audio(parts, engine.sample_rate, cfg)
     key = item_key(row.id)
+    voice = engine.voice_name
+    if getattr(engine, "multi_voice", False):  # the row's own voice: a speaker name or a prompt's key
+        voice = engine.voice_label(VoiceRequest(row.voice or cfg.voice, row.prompt_wav, row.prompt_text,
+                                                row.voice is not None or row.prompt_wav is not None))
     meta = {
         "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
-        "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": engine.voice_name,
+        "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": voice,
         "engine": engine.name, "seed": cfg.seed, "row": row.index,
         "settings": {**engine.describe(), "sentence_silence": cfg.sentence_silence,
                      "normalize": cfg.normalize, "cosybatch": __version__},
@@ -109,7 +113,7 @@ def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig) -> tup
     if text != row.text:
         meta["source_text"] = row.text
     members = {"wav": wav_bytes(audio, engine.sample_rate), "json": json.dumps(meta, ensure_ascii=False).encode()}
-    record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": engine.voice_name,
+    record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
               "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate}
     return key, members, record
 
@@ -178,6 +182,9 @@ class EngineSet:
         self.errors: dict[str, str] = {}
 
     def get(self, voice: Optional[str], from_row: bool):
+        shared = self.by_voice.get("")
+        if shared is not None and getattr(shared, "multi_voice", False):
+            return shared  # one instance serves every voice
         key = voice or ""
         if key in self.by_voice:
             return self.by_voice[key]
@@ -192,8 +199,21 @@ class EngineSet:
                 raise
             self.errors[key] = str(exc)
             raise RowRejected(str(exc)) from None
+        if getattr(engine, "multi_voice", False):
+            key = ""
         self.by_voice[key] = engine
         return engine
+
+    def prepare(self, row: Row) -> tuple[str, Prepared]:
+        """Open (or reuse) the engine for the row's voice and prepare the row; returns the batch
+        group (rows of one group may share a batch) and the prepared row. Raises RowRejected."""
+        voice = row.voice or self.cfg.voice
+        engine = self.get(voice, from_row=row.voice is not None)
+        if getattr(engine, "multi_voice", False):
+            from_row = row.voice is not None or row.prompt_wav is not None
+            request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, from_row)
+            return "", engine.prepare(row.text, row.id, request)
+        return voice or "", engine.prepare(row.text, row.id)
 
 
 def run(cfg: RunConfig) -> RunResult:
@@ -305,8 +325,9 @@ class _Job:
         default = self.engines.get(cfg.voice, from_row=False)
         self.stats.stage_s["load"] = time.monotonic() - t0
         self.device = default.device
-        self.batch_size = cfg.batch_size or (1 if self.device == "cpu" else 64)
-        self.batch_budget = cfg.batch_budget or self.batch_size * 256
+        size, per_item = getattr(default, "batch_defaults", lambda: (1 if self.device == "cpu" else 64, 256))()
+        self.batch_size = cfg.batch_size or size
+        self.batch_budget = cfg.batch_budget or self.batch_size * per_item
         self.workers = cfg.workers or (cpu_count() if self.device == "cpu" else 2)
 
         resuming = self.out.check_or_start(self._fingerprint(corpus, default), cfg.restart)
@@ -412,9 +433,7 @@ class _Job:
                 continue
             t = time.monotonic()
             try:
-                voice = row.voice or cfg.voice
-                engine = self.engines.get(voice, from_row=row.voice is not None)
-                prepared = engine.prepare(row.text, row.id)
+                group, prepared = self.engines.prepare(row)
             except RowRejected as exc:
                 failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
                 prep_s += time.monotonic() - t
@@ -422,7 +441,6 @@ class _Job:
             prep_s += time.monotonic() - t
             key = next_key
             next_key += 1
-            group = voice or ""
             with self.rows_lock:
                 self.rows[key] = _PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
                                              len(prepared.costs))

@@ -95,12 +95,10 @@ class SynthWorker:
         units, pending, failures = [], {}, []
         for key, row in enumerate(rows):
             try:
-                engine = self.engines.get(row.voice or cfg.voice, from_row=row.voice is not None)
-                prepared = engine.prepare(row.text, row.id)
+                group, prepared = self.engines.prepare(row)
             except RowRejected as exc:
                 failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
                 continue
-            group = row.voice or cfg.voice or ""
             pending[key] = [prepared.text, group, [None] * len(prepared.costs), None]
             units += [Unit(key, part, cost, group, payload)
                       for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
@@ -280,7 +278,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
             if isinstance(admitted, dict):
                 driver_failures.append(admitted)
                 continue
-            chunk.append((row.index, row.id, row.text, row.voice))
+            chunk.append((row.index, row.id, row.text, row.voice, row.prompt_wav, row.prompt_text))
             if len(chunk) >= opts.rows_per_task:
                 while not pool.has_free():
                     collect(next_result())

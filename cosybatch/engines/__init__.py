@@ -16,6 +16,7 @@ from ..plan import Unit
 # engine name -> "module:class"; modules are imported only when the engine is opened.
 ENGINES = {
     "piper": "cosybatch.engines.piper:PiperEngine",
+    "cosyvoice": "cosybatch.engines.cosyvoice:CosyVoiceEngine",
 }
 
 
@@ -42,6 +43,16 @@ class Synthesised:
 
 
 @dataclass(frozen=True)
+class VoiceRequest:
+    """The voice a row asks for, for engines that take any voice per row (``multi_voice``)."""
+
+    name: Optional[str] = None  # voice / speaker name
+    prompt_wav: Optional[str] = None  # zero-shot prompt audio
+    prompt_text: Optional[str] = None
+    from_row: bool = False  # named by the corpus (paths then resolve against the corpus folder)
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """Options every engine understands; engine-specific ones travel in `extra`."""
 
@@ -52,9 +63,14 @@ class EngineOptions:
 
 
 class Engine(Protocol):
+    """One model. Engines with ``multi_voice = True`` serve every voice from one instance: the job
+    passes each row's :class:`VoiceRequest` to ``prepare`` and batches rows of different voices
+    together; the others are opened once per voice."""
+
     name: str
     sample_rate: int
     device: str  # the device actually used: "cpu" or "cuda"
+    multi_voice: bool
 
     def describe(self) -> dict:
         """What identifies this engine's output (model hash, synthesis settings) for provenance
