@@ -45,7 +45,7 @@ def _root(
         raise typer.Exit(0)
 
 
-PATH_OPTIONS = ("corpus", "out", "voice_dir", "metrics_file")
+PATH_OPTIONS = ("corpus", "out", "voice_dir", "metrics_file", "model", "prompt_wav")
 NOT_IN_SPECS = ("ctx", "job", "check")
 
 
@@ -64,6 +64,10 @@ def run(
     voice: Optional[str] = typer.Option(None, help=D["voice"]),
     voice_dir: Optional[Path] = typer.Option(None, help=D["voice_dir"]),
     speaker: Optional[str] = typer.Option(None, help=D["speaker"]),
+    model: Optional[Path] = typer.Option(None, help=D["model"]),
+    prompt_wav: Optional[Path] = typer.Option(None, help=D["prompt_wav"]),
+    prompt_text: Optional[str] = typer.Option(None, help=D["prompt_text"]),
+    precision: str = typer.Option("fp32", help=D["precision"]),
     device: str = typer.Option("auto", help=D["device"]),
     batch_size: Optional[int] = typer.Option(None, help=D["batch_size"]),
     batch_budget: Optional[int] = typer.Option(None, help=D["batch_budget"]),

@@ -38,7 +38,15 @@ class RunConfig:
     voice_dir: Optional[Path] = None
     """Folder holding NAME.onnx + NAME.onnx.json voices that corpus rows may name."""
     speaker: Optional[str] = None
-    """Speaker name or id for multi-speaker voices."""
+    """Speaker name or id for multi-speaker voices; CosyVoice: an SFT speaker of spk2info.pt."""
+    model: Optional[Path] = None
+    """CosyVoice: the model folder as downloaded (e.g. pretrained_models/CosyVoice2-0.5B)."""
+    prompt_wav: Optional[Path] = None
+    """CosyVoice: default zero-shot prompt audio (at most 30 s); rows may give their own prompt_wav."""
+    prompt_text: Optional[str] = None
+    """CosyVoice: what prompt_wav says (without it the prompt only sets the voice, as upstream's cross-lingual mode)."""
+    precision: str = "fp32"
+    """CosyVoice: fp32, or bf16/fp16 autocast for the LM and flow on CUDA."""
     device: str = "auto"
     """auto (CUDA when onnxruntime has it, else CPU), cpu or cuda."""
     batch_size: Optional[int] = None
@@ -120,6 +128,14 @@ class RunConfig:
             raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from hf, nemo, lhotse")
         if self.max_runtime is not None and self.max_runtime <= 0:
             raise UsageError("--max-runtime must be > 0 seconds")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
+        if self.engine == "cosyvoice" and self.model is None:
+            raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
+        if self.engine != "cosyvoice":
+            given = [n for n in ("model", "prompt_wav", "prompt_text") if getattr(self, n) is not None]
+            if given:
+                raise UsageError(f"--{given[0].replace('_', '-')} is a CosyVoice option; add --engine cosyvoice")
         for name in ("noise_scale", "noise_w"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -144,6 +160,16 @@ class RunConfig:
             raise UsageError(f"--max-failures {self.max_failures!r}: give a count (100) or a percentage (2%)") from None
 
     def engine_extra(self) -> dict:
+        if self.engine == "cosyvoice":
+            return {
+                "model": self.model,
+                "speaker": self.speaker,
+                "prompt_wav": self.prompt_wav,
+                "prompt_text": self.prompt_text,
+                "precision": self.precision,
+                # Relative prompt_wav paths in rows are read relative to the corpus file's folder.
+                "corpus_dir": Path(self.corpus).resolve().parent,
+            }
         return {
             "noise_scale": self.noise_scale,
             "length_scale": self.length_scale,
