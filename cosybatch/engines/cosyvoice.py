@@ -1,0 +1,237 @@
+"""The CosyVoice2 engine: text -> segments -> speech tokens (LM) -> mel (flow) -> waveform (HiFT).
+
+One instance serves every voice (``multi_voice``): SFT speakers of ``spk2info.pt`` and zero-shot
+prompts, given once for the job (``--speaker``, ``--prompt-wav``/``--prompt-text``) or per row
+(``speaker``/``voice``, ``prompt_wav``, ``prompt_text`` columns). Prompt features are computed once
+per distinct prompt by the voice bank. A batch may mix voices: every stage takes each item's own
+embedding and prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..errors import UsageError
+from ..plan import Unit
+from . import EngineOptions, Prepared, RowRejected, Synthesised, VoiceRequest
+from .piper import item_seed
+
+# Upstream splits text into segments of about 80 text tokens (packing sentences, 60 minimum).
+MAX_SEGMENT_TOKENS = 80
+# Speech tokens per text token, to estimate a segment's cost for bucketing (English, measured on
+# upstream's demo outputs: about 6 to 8; the LM bounds it to 2..20).
+TOKENS_PER_TEXT_TOKEN = 7
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a row for the LM: its text tokens, its voice, its seed."""
+
+    text_tokens: tuple[int, ...]
+    voice: object  # cosyvoice.features.Voice
+    prompt_text_tokens: tuple[int, ...]
+    seed: int
+
+
+def _fingerprint(path: Path) -> str:
+    """Size plus a hash of the first and last MiB: identifies a multi-GB checkpoint cheaply."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(-(1 << 20), os.SEEK_END)
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+class CosyVoiceEngine:
+    name = "cosyvoice"
+    multi_voice = True
+
+    def __init__(self, voice: Optional[str], options: EngineOptions):
+        import torch
+
+        from ..cosyvoice.features import PromptError, VoiceBank
+        from ..cosyvoice.llm import Sampling, load_llm
+        from ..cosyvoice.model import ModelDirError, read_config
+        from ..cosyvoice.text import QwenTextTokenizer
+        from ..cosyvoice.token2wav import Token2Wav
+
+        extra = dict(options.extra)
+        model = extra.pop("model", None)
+        speaker = extra.pop("speaker", None) or voice
+        prompt_wav = extra.pop("prompt_wav", None)
+        prompt_text = extra.pop("prompt_text", None) or ""
+        precision = extra.pop("precision", "fp32")
+        self.corpus_dir = Path(extra.pop("corpus_dir", None) or ".")
+        extra.pop("allow_paths", None)
+        self.max_segment_tokens = int(extra.pop("max_segment_tokens", MAX_SEGMENT_TOKENS))
+        self.flow_batch = extra.pop("flow_batch", None)
+        self.hift_batch = extra.pop("hift_batch", None)
+        if extra:
+            raise UsageError(f"unknown CosyVoice engine options: {sorted(extra)}")
+        if model is None:
+            raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
+
+        cuda = torch.cuda.is_available()
+        if options.device == "cuda" and not cuda:
+            raise UsageError("--device cuda: torch sees no usable CUDA GPU here (check the driver and that the "
+                             "installed torch is a CUDA build), or use --device cpu")
+        self.device = "cuda" if cuda and options.device != "cpu" else "cpu"
+        if self.device == "cpu":
+            # Small ops: one thread per worker is fastest (several workers run side by side).
+            torch.set_num_threads(max(1, options.threads))
+        self.model_dir = Path(model)
+        self.precision = precision
+        self.sampling = Sampling()
+        try:
+            config = read_config(self.model_dir)
+            self.tokenizer = QwenTextTokenizer(self.model_dir / "CosyVoice-BlankEN")
+            self.lm = load_llm(self.model_dir, self.device)
+            self.t2w = Token2Wav(config, self.device, precision)
+        except (ModelDirError, OSError, ValueError) as exc:
+            raise UsageError(f"--model {self.model_dir}: {exc}") from None
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if self.device == "cuda" else None
+        self.voices = VoiceBank(self.model_dir, providers=providers, sample_rate=self.t2w.sample_rate)
+        self._prompt_tokens: dict[str, tuple[int, ...]] = {}
+        self.sample_rate = self.t2w.sample_rate
+        self.seed = options.seed
+        self._PromptError = PromptError
+        self._torch = torch
+
+        # The job's default voice is checked now: a bad --speaker or --prompt-wav is a usage error.
+        self.default_voice = None
+        try:
+            if prompt_wav is not None:
+                self.default_voice = self.voices.prompt(Path(prompt_wav), prompt_text)
+                self.voice_name = f"prompt:{Path(prompt_wav).name}"
+            elif speaker is not None:
+                self.default_voice = self.voices.speaker(speaker)
+                self.voice_name = speaker
+            else:
+                self.voice_name = "per-row"
+        except PromptError as exc:
+            raise UsageError(str(exc)) from None
+        self._files = {n: _fingerprint(self.model_dir / n) for n in ("llm.pt", "flow.pt", "hift.pt")}
+
+    def describe(self) -> dict:
+        s = self.sampling
+        return {
+            "engine": self.name,
+            "model": self.model_dir.name,
+            "model_files": self._files,
+            "sample_rate": self.sample_rate,
+            "precision": self.precision,
+            "voice": None if self.default_voice is None else self.default_voice.key,
+            "sampling": {"top_p": s.top_p, "top_k": s.top_k, "win_size": s.win_size, "tau_r": s.tau_r},
+            "max_segment_tokens": self.max_segment_tokens,
+        }
+
+    def batch_defaults(self) -> tuple[int, int]:
+        """(units per batch, padded cost per unit): batching pays on GPU only (measured on CPU: no gain)."""
+        return (1, 1 << 30) if self.device == "cpu" else (32, TOKENS_PER_TEXT_TOKEN * MAX_SEGMENT_TOKENS)
+
+    # -- voices -------------------------------------------------------------------------------
+    def _voice(self, request: Optional[VoiceRequest]):
+        if request is None or (request.prompt_wav is None and (request.name is None or not request.from_row)):
+            if self.default_voice is None:
+                raise RowRejected("no voice: give --speaker NAME or --prompt-wav/--prompt-text, "
+                                  "or speaker / prompt_wav columns in the corpus")
+            return self.default_voice
+        try:
+            if request.prompt_wav is not None:
+                path = Path(request.prompt_wav)
+                if request.from_row and not path.is_absolute():
+                    path = self.corpus_dir / path
+                return self.voices.prompt(path, request.prompt_text or "")
+            return self.voices.speaker(request.name)
+        except self._PromptError as exc:
+            raise RowRejected(str(exc)) from None
+
+    def _prompt_text_tokens(self, voice) -> tuple[int, ...]:
+        cached = self._prompt_tokens.get(voice.key)
+        if cached is None:
+            cached = tuple(self.tokenizer.encode(voice.prompt_text)) if voice.prompt_text else ()
+            self._prompt_tokens[voice.key] = cached
+        return cached
+
+    def voice_label(self, request: Optional[VoiceRequest]) -> str:
+        try:
+            return self._voice(request).key
+        except RowRejected:
+            return self.voice_name
+
+    # -- text ---------------------------------------------------------------------------------
+    def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None) -> Prepared:
+        from ..cosyvoice.text import frontend_segments
+
+        chosen = self._voice(voice)
+        try:
+            segments = frontend_segments(text, self.tokenizer, max_tokens=self.max_segment_tokens)
+        except ValueError as exc:
+            raise RowRejected(str(exc)) from None
+        prompt_tokens = self._prompt_text_tokens(chosen)
+        costs, payloads = [], []
+        for part, (_, tokens) in enumerate(segments):
+            payloads.append(Segment(tuple(tokens), chosen, prompt_tokens, item_seed(self.seed, item_id, part)))
+            costs.append(max(1, TOKENS_PER_TEXT_TOKEN * len(tokens)))
+        spoken = " ".join(seg for seg, _ in segments)
+        return Prepared(tuple(costs), tuple(payloads), spoken)
+
+    # -- audio --------------------------------------------------------------------------------
+    def _autocast(self):
+        dtypes = {"bf16": self._torch.bfloat16, "fp16": self._torch.float16}
+        if self.precision == "fp32" or self.device != "cuda":
+            return contextlib.nullcontext()
+        return self._torch.autocast(device_type="cuda", dtype=dtypes[self.precision])
+
+    def synthesize(self, units: Sequence[Unit]) -> Synthesised:
+        from ..cosyvoice.flow import FlowInput
+        from ..cosyvoice.llm import LMRequest
+
+        torch = self._torch
+        segs: list[Segment] = [u.payload for u in units]
+        requests = []
+        for s in segs:
+            zero_shot = bool(s.prompt_text_tokens)  # a prompt without its text only shapes the flow
+            requests.append(LMRequest(
+                text=s.text_tokens,
+                prompt_text=s.prompt_text_tokens,
+                prompt_speech=s.voice.prompt_tokens.tolist() if zero_shot and s.voice.prompt_tokens is not None else (),
+                seed=s.seed,
+            ))
+        with self._autocast():
+            tokens = self.lm.generate(requests, self.sampling)
+        items = [
+            FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
+            for s, t in zip(segs, tokens, strict=True)
+        ]
+        audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
+        todo = [i for i, t in enumerate(tokens) if t]
+        # The flow and the vocoder may take other batch sizes than the LM: longest first, in chunks.
+        todo.sort(key=lambda i: -len(tokens[i]))
+        mels: dict[int, object] = {}
+        for chunk in _chunks(todo, self.flow_batch):
+            for i, mel in zip(chunk, self.t2w.mels([items[i] for i in chunk]), strict=True):
+                mels[i] = mel
+        for chunk in _chunks(todo, self.hift_batch):
+            wavs = self.t2w.vocode([mels[i] for i in chunk], [segs[i].seed for i in chunk])
+            for i, wav in zip(chunk, wavs, strict=True):
+                audio[i] = wav
+        real = sum(len(t) for t in tokens)
+        padded = max((len(t) for t in tokens), default=0) * len(tokens)
+        return Synthesised(audio, real, padded)
+
+
+def _chunks(indices: list[int], size) -> list[list[int]]:
+    size = int(size) if size else max(1, len(indices))
+    return [indices[k : k + size] for k in range(0, len(indices), size)]
