@@ -270,6 +270,10 @@ def check(cfg: RunConfig) -> dict:
         from .engines.piper import resolve_voice
 
         voice = resolve_voice(cfg.voice, cfg.voice_dir)[0]
+    elif cfg.engine == "cosyvoice":
+        from .engines.cosyvoice import check_setup
+
+        voice = check_setup(cfg.model, cfg.speaker or cfg.voice, cfg.prompt_wav, cfg.prompt_text)
     return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows}, "voice": voice}
 
 

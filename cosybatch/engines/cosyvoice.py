@@ -232,6 +232,40 @@ class CosyVoiceEngine:
         return Synthesised(audio, real, padded)
 
 
+MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
+               "CosyVoice-BlankEN/config.json")
+
+
+def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path], prompt_text: Optional[str]) -> dict:
+    """What ``run --check`` verifies without loading weights: the model folder's files and yaml,
+    the default speaker, the default prompt audio."""
+    from ..cosyvoice.features import PromptError, load_audio
+    from ..cosyvoice.model import ModelDirError, read_config
+
+    try:
+        read_config(model)
+    except ModelDirError as exc:
+        raise UsageError(f"--model {model}: {exc}") from None
+    missing = [name for name in MODEL_FILES if not (Path(model) / name).is_file()]
+    if missing:
+        raise UsageError(f"--model {model}: missing {', '.join(missing)}; is this the CosyVoice2-0.5B folder?")
+    speakers: list[str] = []
+    if (Path(model) / "spk2info.pt").is_file():
+        import torch
+
+        speakers = sorted(torch.load(Path(model) / "spk2info.pt", map_location="cpu", weights_only=True))
+    if speaker is not None and speaker not in speakers:
+        raise UsageError(f"--speaker {speaker!r}: not in {model}/spk2info.pt (speakers: {', '.join(speakers) or 'none'})")
+    prompt = None
+    if prompt_wav is not None:
+        try:
+            audio, rate = load_audio(prompt_wav)
+        except PromptError as exc:
+            raise UsageError(str(exc)) from None
+        prompt = {"path": str(prompt_wav), "seconds": round(len(audio) / rate, 3), "text": prompt_text}
+    return {"model": str(model), "speakers": speakers, "speaker": speaker, "prompt": prompt}
+
+
 def _chunks(indices: list[int], size) -> list[list[int]]:
     size = int(size) if size else max(1, len(indices))
     return [indices[k : k + size] for k in range(0, len(indices), size)]
