@@ -59,12 +59,18 @@ def test_job_spec_values_flags_override_and_bad_keys(tmp_path):
     assert proc.returncode == 2 and "pwned" not in proc.stdout  # parsed, never executed
 
 
-def test_every_example_in_jobs_is_valid():
+def test_every_example_in_jobs_is_valid(cosyvoice_dir):
     jobs = ROOT / "jobs"
     specs = sorted(p for p in jobs.iterdir() if p.suffix in (".toml", ".yaml", ".yml") and not p.name.startswith("k8s"))
-    assert len(specs) >= 2
+    assert len(specs) >= 3
     for spec in specs:
-        checked("--job", str(spec.relative_to(ROOT)), "--shard", "0/4")
+        # The real CosyVoice2 folder cannot be downloaded here: the tiny one in the official layout
+        # stands in for it, and the spec's device is overridden on this GPU-less machine.
+        real_model = "cosyvoice" in spec.name
+        override = ["--model", str(cosyvoice_dir), "--device", "cpu"] if real_model else []
+        cfg = checked("--job", str(spec.relative_to(ROOT)), "--shard", "0/4", *override)
+        if real_model:
+            assert cfg["engine"] == "cosyvoice" and cfg["prompt_wav"] == "examples/prompt-joe.wav"
 
     # Command lines in the scheduler examples, checked as those schedulers would run them.
     commands = []
