@@ -29,7 +29,7 @@ from .distributed import part_name, shard_of
 from .engines import EngineOptions, Prepared, RowRejected, VoiceRequest, open_engine
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError, OutputError, UsageError
 from .metrics import BatchHistogram
-from .plan import Batch, Unit, plan_batches
+from .plan import Batch, BudgetGuard, Unit, plan_batches
 from .shards import ShardWriter, item_key, wav_bytes
 from .stats import Progress, Stats
 
@@ -57,6 +57,7 @@ class _Outcome:
     real_frames: int = 0
     padded_frames: int = 0
     infer_s: float = 0.0
+    oom_retries: int = 0
 
 
 @dataclass
@@ -147,27 +148,47 @@ class RowGate:
         return row
 
 
-def run_batch(engine, batch: Batch) -> _Outcome:
-    """Synthesise one batch. If the batch fails as a whole, each unit is retried alone so that one
-    bad unit fails only its own row, with the reason recorded."""
+def run_batch(engine, batch: Batch, guard: Optional[BudgetGuard] = None) -> _Outcome:
+    """Synthesise one batch, never letting one unit or an out-of-memory error end the job.
+
+    Out of memory: the batch is split in halves and each is retried (recursively), and `guard`
+    lowers the budget of that length range for the rest of the run. A unit that runs out of
+    memory alone fails its row with the reason. Any other error: each unit is retried alone, so
+    one bad unit fails only its own row."""
+    from .gpu import is_oom
+
     t = time.monotonic()
-    try:
-        syn = engine.synthesize(batch.units)
-        outcome = _Outcome(batch, list(syn.audio), syn.real_frames, syn.padded_frames)
-    except Exception as batch_error:
-        outcome = _Outcome(batch, [])
-        if len(batch.units) == 1:
-            outcome.audio.append(f"synthesis failed: {batch_error!r}")
-        else:
-            for unit in batch.units:
-                try:
-                    syn = engine.synthesize([unit])
-                except Exception as exc:
-                    outcome.audio.append(f"synthesis failed: {exc!r}")
-                    continue
-                outcome.audio.append(syn.audio[0])
-                outcome.real_frames += syn.real_frames
-                outcome.padded_frames += syn.padded_frames
+    outcome = _Outcome(batch, [None] * len(batch.units))
+
+    def attempt(indices: list[int]) -> None:
+        units = tuple(batch.units[i] for i in indices)
+        try:
+            syn = engine.synthesize(units)
+        except Exception as exc:
+            if is_oom(exc) and len(indices) > 1:
+                outcome.oom_retries += 1
+                if guard is not None:
+                    guard.shrink(Batch(batch.seq, units))
+                log.warning("out of memory on a batch of %d (padded cost %d); retrying it in halves",
+                            len(units), len(units) * max(u.cost for u in units))
+                half = len(indices) // 2
+                attempt(indices[:half])
+                attempt(indices[half:])
+            elif len(indices) > 1:
+                for i in indices:
+                    attempt([i])
+            elif is_oom(exc):
+                outcome.audio[indices[0]] = (f"out of memory even alone (a piece of cost {units[0].cost}): {exc!r}; "
+                                             "split the row into shorter ones or lower --memory-fraction pressure")
+            else:
+                outcome.audio[indices[0]] = f"synthesis failed: {exc!r}"
+            return
+        for i, audio in zip(indices, syn.audio, strict=True):
+            outcome.audio[i] = audio
+        outcome.real_frames += syn.real_frames
+        outcome.padded_frames += syn.padded_frames
+
+    attempt(list(range(len(batch.units))))
     outcome.infer_s = time.monotonic() - t
     return outcome
 
@@ -217,6 +238,12 @@ class EngineSet:
 
 
 def run(cfg: RunConfig) -> RunResult:
+    if cfg.engine == "cosyvoice" and cfg.device != "cpu":
+        from .gpu import configure_allocator
+
+        note = configure_allocator()  # before torch can initialise CUDA
+        if note:
+            log.warning(note)
     if cfg.shard_count is not None:
         # Each worker owns a self-contained folder; `cosybatch merge` presents them as one.
         part = part_name(cfg.shard_index, cfg.shard_count)
@@ -331,7 +358,9 @@ class _Job:
         self.device = default.device
         size, per_item = getattr(default, "batch_defaults", lambda: (1 if self.device == "cpu" else 64, 256))()
         self.batch_size = cfg.batch_size or size
-        self.batch_budget = cfg.batch_budget or self.batch_size * per_item
+        self.batch_budget = cfg.batch_budget or getattr(default, "probed_budget", None) or self.batch_size * per_item
+        self.guard = BudgetGuard(self.batch_budget)
+        self.default_engine = default
         self.workers = cfg.workers or (cpu_count() if self.device == "cpu" else 2)
 
         resuming = self.out.check_or_start(self._fingerprint(corpus, default), cfg.restart)
@@ -467,7 +496,7 @@ class _Job:
 
     def _dispatch(self, units: list[Unit], seq: int, work: queue.Queue) -> tuple[int, bool]:
         """Plan a window and queue its batches; returns (next seq, whether all were queued)."""
-        batches = plan_batches(units, self.batch_size, self.batch_budget, first_seq=seq)
+        batches = plan_batches(units, self.batch_size, self.guard, first_seq=seq)
         for batch in batches:
             while not self.uncommitted.acquire(timeout=0.2):
                 if self.stop.is_set():
@@ -493,7 +522,7 @@ class _Job:
                 self.dropped_batches += 1  # interrupted: dropped now, redone on resume
                 self.uncommitted.release()
                 continue
-            outcome = run_batch(self.engines.by_voice[batch.group], batch)
+            outcome = run_batch(self.engines.by_voice[batch.group], batch, self.guard)
             results.put(("batch", outcome))
 
     # -- writer thread -----------------------------------------------------------------------
@@ -546,6 +575,7 @@ class _Job:
         stats.batch_sizes[len(outcome.batch.units)] += 1
         stats.real_frames += outcome.real_frames
         stats.padded_frames += outcome.padded_frames
+        stats.oom_retries += outcome.oom_retries
         stats.stage_s["infer"] += outcome.infer_s
         self.batch_seconds.observe(outcome.infer_s)
         finished: list[_PendingRow] = []
@@ -613,11 +643,16 @@ class _Job:
 
     # -- the end -----------------------------------------------------------------------------
     def _snapshot(self, status: str) -> dict:
-        engine = self.engines.by_voice[self.cfg.voice or ""]
+        from .gpu import memory_stats
+
+        engine = self.default_engine
         return self.stats.to_dict(
             status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
             device=self.device, batch_size_limit=self.batch_size, batch_budget=self.batch_budget,
-            workers=self.workers, cosybatch=__version__,
+            workers=self.workers, cosybatch=__version__, budget_changes=list(self.guard.changes),
+            gpu_memory=memory_stats() if self.device == "cuda" else {},
+            cold_start_seconds=round(self.stats.stage_s["load"], 3),
+            memory_pool=getattr(engine, "pool_info", None),
             shard=None if self.cfg.shard_count is None else [self.cfg.shard_index, self.cfg.shard_count],
         )
 

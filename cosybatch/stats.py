@@ -24,6 +24,7 @@ class Stats:
     batch_sizes: Counter = field(default_factory=Counter)
     real_frames: int = 0
     padded_frames: int = 0
+    oom_retries: int = 0  # batches split in halves after running out of (GPU) memory
     stage_s: dict = field(default_factory=lambda: dict.fromkeys(("load", "read", "prepare", "infer", "write"), 0.0))
     previous_items_done: int = 0
     previous_items_failed: int = 0
@@ -48,6 +49,7 @@ class Stats:
             "batch_size_mean": round(sum(sizes) / len(sizes), 2) if sizes else 0,
             "batch_size_max": sizes[-1] if sizes else 0,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "oom_retries": self.oom_retries,
             # infer is summed over workers, so it can exceed wall time when workers overlap.
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_s.items()},
             "job_totals": {
