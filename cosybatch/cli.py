@@ -68,6 +68,7 @@ def run(
     prompt_wav: Optional[Path] = typer.Option(None, help=D["prompt_wav"]),
     prompt_text: Optional[str] = typer.Option(None, help=D["prompt_text"]),
     precision: str = typer.Option("fp32", help=D["precision"]),
+    memory_fraction: float = typer.Option(0.9, help=D["memory_fraction"]),
     device: str = typer.Option("auto", help=D["device"]),
     batch_size: Optional[int] = typer.Option(None, help=D["batch_size"]),
     batch_budget: Optional[int] = typer.Option(None, help=D["batch_budget"]),

@@ -47,6 +47,8 @@ class RunConfig:
     """CosyVoice: what prompt_wav says (without it the prompt only sets the voice, as upstream's cross-lingual mode)."""
     precision: str = "fp32"
     """CosyVoice: fp32, or bf16/fp16 autocast for the LM and flow on CUDA."""
+    memory_fraction: float = 0.9
+    """GPU (CosyVoice): share of the device's memory the process may use, in (0, 1]; pre-allocated as a pool."""
     device: str = "auto"
     """auto (CUDA when onnxruntime has it, else CPU), cpu or cuda."""
     batch_size: Optional[int] = None
@@ -128,6 +130,9 @@ class RunConfig:
             raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from hf, nemo, lhotse")
         if self.max_runtime is not None and self.max_runtime <= 0:
             raise UsageError("--max-runtime must be > 0 seconds")
+        from .gpu import validate_fraction
+
+        validate_fraction(self.memory_fraction)
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
         if self.engine == "cosyvoice" and self.model is None:
@@ -167,6 +172,7 @@ class RunConfig:
                 "prompt_wav": self.prompt_wav,
                 "prompt_text": self.prompt_text,
                 "precision": self.precision,
+                "memory_fraction": self.memory_fraction,
                 # Relative prompt_wav paths in rows are read relative to the corpus file's folder.
                 "corpus_dir": Path(self.corpus).resolve().parent,
             }

@@ -24,6 +24,10 @@ from ..plan import Unit
 from . import EngineOptions, Prepared, RowRejected, Synthesised, VoiceRequest
 from .piper import item_seed
 
+# GPU memory: what the pool leaves outside torch (cuDNN workspaces, the CUDA context's growth,
+# onnxruntime's speech tokenizer), and onnxruntime's own cap within it.
+HEADROOM_BYTES = 2 << 30
+ORT_GPU_BYTES = 1 << 30
 # Upstream splits text into segments of about 80 text tokens (packing sentences, 60 minimum).
 MAX_SEGMENT_TOKENS = 80
 # Speech tokens per text token, to estimate a segment's cost for bucketing (English, measured on
@@ -72,6 +76,7 @@ class CosyVoiceEngine:
         prompt_wav = extra.pop("prompt_wav", None)
         prompt_text = extra.pop("prompt_text", None) or ""
         precision = extra.pop("precision", "fp32")
+        memory_fraction = float(extra.pop("memory_fraction", 0.9))
         self.corpus_dir = Path(extra.pop("corpus_dir", None) or ".")
         extra.pop("allow_paths", None)
         self.max_segment_tokens = int(extra.pop("max_segment_tokens", MAX_SEGMENT_TOKENS))
@@ -100,7 +105,13 @@ class CosyVoiceEngine:
             self.t2w = Token2Wav(config, self.device, precision)
         except (ModelDirError, OSError, ValueError) as exc:
             raise UsageError(f"--model {self.model_dir}: {exc}") from None
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if self.device == "cuda" else None
+        providers = None
+        if self.device == "cuda":
+            from .. import gpu
+
+            # The speech tokenizer runs on onnxruntime's CUDA provider, outside torch's pool: it gets
+            # a capped arena inside the headroom the pool leaves free.
+            providers = [("CUDAExecutionProvider", gpu.ort_cuda_options(ORT_GPU_BYTES)), "CPUExecutionProvider"]
         self.voices = VoiceBank(self.model_dir, providers=providers, sample_rate=self.t2w.sample_rate)
         self._prompt_tokens: dict[str, tuple[int, ...]] = {}
         self.sample_rate = self.t2w.sample_rate
@@ -122,6 +133,43 @@ class CosyVoiceEngine:
         except PromptError as exc:
             raise UsageError(str(exc)) from None
         self._files = {n: _fingerprint(self.model_dir / n) for n in ("llm.pt", "flow.pt", "hift.pt")}
+        self.pool_info: Optional[dict] = None
+        self.probed_budget: Optional[int] = None
+        if self.device == "cuda":
+            self._set_up_memory(memory_fraction)
+
+    def _set_up_memory(self, fraction: float) -> None:
+        """Cap and pre-allocate torch's pool, then size the batch budget from a warm-up probe."""
+        from dataclasses import asdict
+
+        from .. import gpu
+
+        pool = gpu.setup_pool(fraction, self.device, headroom_bytes=HEADROOM_BYTES)
+        per_unit = self._probe()
+        self.probed_budget = gpu.budget_from_probe(per_unit, pool.pool_bytes)
+        self.pool_info = asdict(pool) | {"bytes_per_cost_unit": per_unit, "probed_budget": self.probed_budget}
+
+    def _probe(self) -> dict[str, float]:
+        """Peak bytes per padded cost unit of each stage, on a small synthetic batch."""
+        from .. import gpu
+        from ..cosyvoice.features import Voice
+        from ..cosyvoice.flow import FlowInput
+        from ..cosyvoice.llm import LMRequest
+
+        torch = self._torch
+        rows, text_len = 4, 20
+        tokens = TOKENS_PER_TEXT_TOKEN * text_len
+        units = rows * tokens
+        voice = Voice("probe", torch.zeros(192), "", None, None)
+        requests = [LMRequest(text=list(range(100, 100 + text_len)), seed=i, min_tokens=tokens, max_tokens=tokens)
+                    for i in range(rows)]
+        items = [FlowInput(torch.arange(tokens) % 6561, voice.embedding) for _ in range(rows)]
+        mels = self.t2w.mels(items)
+        return {
+            "lm": gpu.probe_stage(lambda: self.lm.generate(requests, self.sampling), units, self.device),
+            "flow": gpu.probe_stage(lambda: self.t2w.mels(items), units, self.device),
+            "hift": gpu.probe_stage(lambda: self.t2w.vocode(mels, list(range(rows))), units, self.device),
+        }
 
     def describe(self) -> dict:
         s = self.sampling
@@ -180,10 +228,12 @@ class CosyVoiceEngine:
         except ValueError as exc:
             raise RowRejected(str(exc)) from None
         prompt_tokens = self._prompt_text_tokens(chosen)
+        # A prompt's speech tokens ride along in the LM and the flow, so they count in the cost.
+        prompt_cost = 0 if chosen.prompt_tokens is None else len(chosen.prompt_tokens)
         costs, payloads = [], []
         for part, (_, tokens) in enumerate(segments):
             payloads.append(Segment(tuple(tokens), chosen, prompt_tokens, item_seed(self.seed, item_id, part)))
-            costs.append(max(1, TOKENS_PER_TEXT_TOKEN * len(tokens)))
+            costs.append(max(1, TOKENS_PER_TEXT_TOKEN * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
         return Prepared(tuple(costs), tuple(payloads), spoken)
 
@@ -255,7 +305,8 @@ def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path],
 
         speakers = sorted(torch.load(Path(model) / "spk2info.pt", map_location="cpu", weights_only=True))
     if speaker is not None and speaker not in speakers:
-        raise UsageError(f"--speaker {speaker!r}: not in {model}/spk2info.pt (speakers: {', '.join(speakers) or 'none'})")
+        known = ", ".join(speakers) or "none"
+        raise UsageError(f"--speaker {speaker!r}: not in {model}/spk2info.pt (speakers: {known})")
     prompt = None
     if prompt_wav is not None:
         try:
