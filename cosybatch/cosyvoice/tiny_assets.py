@@ -16,6 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .text import QWEN2_SPLIT_PATTERN
+from .text import UPSTREAM_EXTRA_SPECIALS as _UPSTREAM_SPECIALS
+
 OPSET = 17
 SPEAKER_DIM = 192  # campplus embedding size
 FBANK_BINS = 80  # kaldi fbank bins campplus reads
@@ -27,28 +30,8 @@ _CODE_SIDE = 81  # 81 * 81 == 6561
 # Special tokens the real Qwen2 tokenizer_config.json declares, in id order after the BPE vocab.
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Tokens upstream's QwenTokenizer adds when it loads BlankEN (the two <|im_*|> ones already exist).
-UPSTREAM_EXTRA_SPECIALS = (
-    "<|endofprompt|>",
-    "[breath]",
-    "<strong>",
-    "</strong>",
-    "[noise]",
-    "[laughter]",
-    "[cough]",
-    "[clucking]",
-    "[accent]",
-    "[quick_breath]",
-    "<laughter>",
-    "</laughter>",
-    "[hissing]",
-    "[sigh]",
-    "[vocalized-noise]",
-    "[lipsmack]",
-    "[mn]",
-)
-QWEN_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+UPSTREAM_EXTRA_SPECIALS = tuple(t for t in _UPSTREAM_SPECIALS if t not in QWEN_SPECIALS)
+QWEN_SPLIT_PATTERN = QWEN2_SPLIT_PATTERN
 
 _SENTENCES = Path(__file__).resolve().parents[2] / "examples" / "sentences.txt"
 
