@@ -44,10 +44,11 @@ _DONE = object()
 class _PendingRow:
     row: Row
     text: str  # what is spoken: the row's text after the engine's normalisation
-    voice: str
+    voice: str  # the engine's key in EngineSet
     parts: list  # audio per piece, filled in by finished batches
     remaining: int
     error: Optional[str] = None
+    label: Optional[str] = None  # the row's voice for the manifest (multi-voice engines)
 
 
 @dataclass
@@ -96,14 +97,13 @@ def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
     return audio
 
 
-def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig) -> tuple[str, dict, dict]:
-    """A finished row -> (shard key, tar members {ext: bytes}, manifest record)."""
+def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig,
+                voice: Optional[str] = None) -> tuple[str, dict, dict]:
+    """A finished row -> (shard key, tar members {ext: bytes}, manifest record). `voice` is the
+    row's own voice when the engine serves several (fixed when the row was prepared)."""
     audio = assemble_audio(parts, engine.sample_rate, cfg)
     key = item_key(row.id)
-    voice = engine.voice_name
-    if getattr(engine, "multi_voice", False):  # the row's own voice: a speaker name or a prompt's key
-        voice = engine.voice_label(VoiceRequest(row.voice or cfg.voice, row.prompt_wav, row.prompt_text,
-                                                row.voice is not None or row.prompt_wav is not None))
+    voice = voice or engine.voice_name
     meta = {
         "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
         "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": voice,
@@ -162,31 +162,39 @@ def run_batch(engine, batch: Batch, guard: Optional[BudgetGuard] = None) -> _Out
 
     def attempt(indices: list[int]) -> None:
         units = tuple(batch.units[i] for i in indices)
+        error = None
         try:
             syn = engine.synthesize(units)
+            if len(syn.audio) != len(units):
+                raise RuntimeError(f"the engine returned {len(syn.audio)} results for {len(units)} pieces")
         except Exception as exc:
-            if is_oom(exc) and len(indices) > 1:
-                outcome.oom_retries += 1
-                if guard is not None:
-                    guard.shrink(Batch(batch.seq, units))
-                log.warning("out of memory on a batch of %d (padded cost %d); retrying it in halves",
-                            len(units), len(units) * max(u.cost for u in units))
-                half = len(indices) // 2
-                attempt(indices[:half])
-                attempt(indices[half:])
-            elif len(indices) > 1:
-                for i in indices:
-                    attempt([i])
-            elif is_oom(exc):
-                outcome.audio[indices[0]] = (f"out of memory even alone (a piece of cost {units[0].cost}): {exc!r}; "
-                                             "split the row into shorter ones or lower --memory-fraction pressure")
-            else:
-                outcome.audio[indices[0]] = f"synthesis failed: {exc!r}"
-            return
-        for i, audio in zip(indices, syn.audio, strict=True):
-            outcome.audio[i] = audio
-        outcome.real_frames += syn.real_frames
-        outcome.padded_frames += syn.padded_frames
+            # Keep only the message: the traceback holds the failed call's frames, and with them
+            # its (GPU) tensors, which the retries below need freed.
+            error, oom = repr(exc), is_oom(exc)
+            exc.__traceback__ = None
+            del exc
+        if error is None:
+            for i, audio in zip(indices, syn.audio, strict=True):
+                outcome.audio[i] = audio
+            outcome.real_frames += syn.real_frames
+            outcome.padded_frames += syn.padded_frames
+        elif oom and len(indices) > 1:
+            outcome.oom_retries += 1
+            if guard is not None:
+                guard.shrink(Batch(batch.seq, units))
+            log.warning("out of memory on a batch of %d (padded cost %d); retrying it in halves",
+                        len(units), len(units) * max(u.cost for u in units))
+            half = len(indices) // 2
+            attempt(indices[:half])
+            attempt(indices[half:])
+        elif len(indices) > 1:
+            for i in indices:
+                attempt([i])
+        elif oom:
+            outcome.audio[indices[0]] = (f"out of memory even alone (a piece of cost {units[0].cost}): {error}; "
+                                         "split the row into shorter ones or give the job more GPU memory")
+        else:
+            outcome.audio[indices[0]] = f"synthesis failed: {error}"
 
     attempt(list(range(len(batch.units))))
     outcome.infer_s = time.monotonic() - t
@@ -279,7 +287,9 @@ def _about_output(cfg: RunConfig, exc: OSError) -> bool:
 def open_corpus(cfg: RunConfig) -> Corpus:
     return Corpus(cfg.corpus, Columns(
         id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
-        id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None), cfg.format)
+        id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None,
+        # CosyVoice's SFT voices are speakers; for Piper a speaker is a choice inside one voice.
+        voice_fallback="speaker" if cfg.engine == "cosyvoice" else None), cfg.format)
 
 
 def check(cfg: RunConfig) -> dict:
@@ -358,10 +368,12 @@ class _Job:
         self.device = default.device
         size, per_item = getattr(default, "batch_defaults", lambda: (1 if self.device == "cpu" else 64, 256))()
         self.batch_size = cfg.batch_size or size
-        self.batch_budget = cfg.batch_budget or getattr(default, "probed_budget", None) or self.batch_size * per_item
+        self.workers = cfg.workers or (cpu_count() if self.device == "cpu" else 2)
+        probed = getattr(default, "probed_budget", None)  # sized to the GPU pool; workers share it
+        self.batch_budget = cfg.batch_budget or (max(1, probed // self.workers) if probed else None) \
+            or self.batch_size * per_item
         self.guard = BudgetGuard(self.batch_budget)
         self.default_engine = default
-        self.workers = cfg.workers or (cpu_count() if self.device == "cpu" else 2)
 
         resuming = self.out.check_or_start(self._fingerprint(corpus, default), cfg.restart)
         state = self.out.resume_state()
@@ -476,7 +488,7 @@ class _Job:
             next_key += 1
             with self.rows_lock:
                 self.rows[key] = _PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
-                                             len(prepared.costs))
+                                             len(prepared.costs), label=prepared.voice)
             units.extend(Unit(key, part, cost, group, payload)
                          for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True)))
             rows_in_window += 1
@@ -522,7 +534,11 @@ class _Job:
                 self.dropped_batches += 1  # interrupted: dropped now, redone on resume
                 self.uncommitted.release()
                 continue
-            outcome = run_batch(self.engines.by_voice[batch.group], batch, self.guard)
+            try:
+                outcome = run_batch(self.engines.by_voice[batch.group], batch, self.guard)
+            except Exception as exc:  # never leave the writer waiting for this batch
+                log.exception("batch %d failed outside the engine", batch.seq)
+                outcome = _Outcome(batch, [f"internal error: {exc!r}"] * len(batch.units))
             results.put(("batch", outcome))
 
     # -- writer thread -----------------------------------------------------------------------
@@ -597,7 +613,7 @@ class _Job:
                 failures.append({"id": row.id, "row": row.index, "reason": pending.error})
                 continue
             engine = self.engines.by_voice[pending.voice]
-            key, members, record = render_item(row, pending.text, pending.parts, engine, self.cfg)
+            key, members, record = render_item(row, pending.text, pending.parts, engine, self.cfg, pending.label)
             if self.shard is None:
                 self.shard = ShardWriter(self.cfg.out, self.next_shard)
                 self.next_shard += 1

@@ -4,14 +4,17 @@ even alone fails its row. The engine is the real Piper voice; only the OOM is in
 from __future__ import annotations
 
 import json
+import weakref
 
+import numpy as np
 import torch
 from conftest import write_parquet
 from helpers import read_output
 
 from cosybatch.config import RunConfig
+from cosybatch.engines import Synthesised
 from cosybatch.engines.piper import PiperEngine
-from cosybatch.job import run
+from cosybatch.job import run, run_batch
 from cosybatch.plan import Batch, BudgetGuard, Unit, plan_batches
 
 SENTENCES = ["The kettle is boiling.", "Close the window, please.", "Rain is expected today.",
@@ -76,3 +79,30 @@ def test_budget_guard_lowers_only_the_failing_length_range():
     batches = plan_batches(units, 16, guard)
     assert [len(b.units) for b in batches if b.units[0].cost == 100] == [1] * 8
     assert [len(b.units) for b in batches if b.units[0].cost == 20] == [8]
+
+
+def test_retries_do_not_hold_the_failed_attempts_memory():
+    """The halves run only after the failed call's tensors are freed (its traceback dropped)."""
+
+    class Buffer:  # stands for the activations a failed GPU call leaves behind
+        pass
+
+    class Engine:
+        def __init__(self):
+            self.buffers: list[weakref.ref] = []
+            self.alive_at_call: list[int] = []
+
+        def synthesize(self, units):
+            self.alive_at_call.append(sum(ref() is not None for ref in self.buffers))
+            if len(units) > 1:
+                activations = Buffer()
+                self.buffers.append(weakref.ref(activations))
+                raise torch.cuda.OutOfMemoryError(f"CUDA out of memory ({id(activations)})")
+            return Synthesised([np.zeros(4, np.float32)], 4, 4)
+
+    engine = Engine()
+    batch = Batch(0, tuple(Unit(i, 0, 10, "") for i in range(4)))
+    outcome = run_batch(engine, batch, BudgetGuard(1000))
+    assert all(isinstance(a, np.ndarray) for a in outcome.audio)
+    assert outcome.oom_retries == 3  # 4 -> 2 + 2 -> 1 + 1 + 1 + 1
+    assert engine.alive_at_call == [0] * 7
