@@ -99,7 +99,7 @@ class SynthWorker:
             except RowRejected as exc:
                 failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
                 continue
-            pending[key] = [prepared.text, group, [None] * len(prepared.costs), None]
+            pending[key] = [prepared.text, group, [None] * len(prepared.costs), None, prepared.voice]
             units += [Unit(key, part, cost, group, payload)
                       for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
         stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0}
@@ -119,14 +119,14 @@ class SynthWorker:
         name = f"shard-{digest}.tar"
         shard = None
         items = []
-        for key, (text, group, parts, error) in pending.items():
+        for key, (text, group, parts, error, label) in pending.items():
             row = rows[key]
             if error:
                 failures.append({"id": row.id, "row": row.index, "reason": error})
                 continue
             if shard is None:
                 shard = ShardWriter(cfg.out, 0, name=name)
-            tar_key, members, record = render_item(row, text, parts, self.engines.by_voice[group], cfg)
+            tar_key, members, record = render_item(row, text, parts, self.engines.by_voice[group], cfg, label)
             shard.add(tar_key, members, int(time.time()))
             items.append({**record, "shard": name})
         # Failures first: if the process dies before the rename, the rows are simply redone.

@@ -31,6 +31,7 @@ class Prepared:
     costs: tuple[int, ...]
     payloads: tuple[object, ...]
     text: str  # the text actually spoken, after the engine's own normalisation
+    voice: Optional[str] = None  # the row's voice for the manifest, when it is not the engine's voice_name
 
 
 @dataclass(frozen=True)
