@@ -45,7 +45,7 @@ def _root(
         raise typer.Exit(0)
 
 
-PATH_OPTIONS = ("corpus", "out", "voice_dir", "metrics_file", "model", "prompt_wav")
+PATH_OPTIONS = ("corpus", "out", "voice_dir", "metrics_file", "model", "prompt_wav", "prompt_dir")
 NOT_IN_SPECS = ("ctx", "job", "check")
 
 
@@ -67,6 +67,7 @@ def run(
     model: Optional[Path] = typer.Option(None, help=D["model"]),
     prompt_wav: Optional[Path] = typer.Option(None, help=D["prompt_wav"]),
     prompt_text: Optional[str] = typer.Option(None, help=D["prompt_text"]),
+    prompt_dir: Optional[Path] = typer.Option(None, help=D["prompt_dir"]),
     precision: str = typer.Option("fp32", help=D["precision"]),
     memory_fraction: float = typer.Option(0.9, help=D["memory_fraction"]),
     device: str = typer.Option("auto", help=D["device"]),

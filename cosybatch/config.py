@@ -45,6 +45,8 @@ class RunConfig:
     """CosyVoice: default zero-shot prompt audio (at most 30 s); rows may give their own prompt_wav."""
     prompt_text: Optional[str] = None
     """CosyVoice: what prompt_wav says (without it the prompt only sets the voice, as upstream's cross-lingual mode)."""
+    prompt_dir: Optional[Path] = None
+    """CosyVoice: a folder (besides the corpus file's own) that rows' prompt_wav paths may point into."""
     precision: str = "fp32"
     """CosyVoice: fp32, or bf16/fp16 autocast for the LM and flow on CUDA."""
     memory_fraction: float = 0.9
@@ -138,7 +140,7 @@ class RunConfig:
         if self.engine == "cosyvoice" and self.model is None:
             raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
         if self.engine != "cosyvoice":
-            given = [n for n in ("model", "prompt_wav", "prompt_text") if getattr(self, n) is not None]
+            given = [n for n in ("model", "prompt_wav", "prompt_text", "prompt_dir") if getattr(self, n) is not None]
             if given:
                 raise UsageError(f"--{given[0].replace('_', '-')} is a CosyVoice option; add --engine cosyvoice")
         for name in ("noise_scale", "noise_w"):
@@ -173,6 +175,7 @@ class RunConfig:
                 "prompt_text": self.prompt_text,
                 "precision": self.precision,
                 "memory_fraction": self.memory_fraction,
+                "prompt_dir": self.prompt_dir,
                 # Relative prompt_wav paths in rows are read relative to the corpus file's folder.
                 "corpus_dir": Path(self.corpus).resolve().parent,
             }

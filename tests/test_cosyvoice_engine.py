@@ -42,6 +42,8 @@ def corpus(tmp_path_factory) -> Path:
         {"id": "bad-format", "text": "Prompt that is not audio.", "prompt_wav": "notaudio.wav", "prompt_text": "x"},
         {"id": "reuse", "text": "The same prompt again, computed once.", "prompt_wav": "prompt.wav",
          "prompt_text": "A short prompt."},
+        {"id": "bad-outside", "text": "A prompt outside the corpus folder.", "prompt_wav": "../prompt.wav",
+         "prompt_text": "x"},
     ]
     for row in rows:
         row.setdefault("speaker", None)
@@ -70,13 +72,14 @@ def test_run_every_row_once_with_exact_lengths(cosyvoice_dir, corpus, engine, tm
                "--progress", "none", "--no-normalize", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["items_done"] == 5 and summary["items_failed"] == 4
+    assert summary["items_done"] == 5 and summary["items_failed"] == 5
 
     items = read_output(out)
     assert sorted(items) == ["cross", "reuse", "sft-a", "sft-b", "zero-shot"]
     failures = {json.loads(line)["id"]: json.loads(line)["reason"]
                 for line in (out / "failures.jsonl").read_text().splitlines()}
-    assert sorted(failures) == ["bad-format", "bad-long", "bad-missing", "bad-speaker"]
+    assert sorted(failures) == ["bad-format", "bad-long", "bad-missing", "bad-outside", "bad-speaker"]
+    assert "outside" in failures["bad-outside"] and "--prompt-dir" in failures["bad-outside"]
     assert "unknown speaker 'carol'" in failures["bad-speaker"] and "alice" in failures["bad-speaker"]
     assert "30" in failures["bad-long"]
     assert "nope.wav" in failures["bad-missing"]

@@ -67,7 +67,7 @@ class CosyVoiceEngine:
         from ..cosyvoice.features import PromptError, VoiceBank
         from ..cosyvoice.llm import Sampling, load_llm
         from ..cosyvoice.model import ModelDirError, read_config
-        from ..cosyvoice.text import QwenTextTokenizer
+        from ..cosyvoice.text import QwenTextTokenizer, normalize
         from ..cosyvoice.token2wav import Token2Wav
 
         extra = dict(options.extra)
@@ -78,6 +78,8 @@ class CosyVoiceEngine:
         precision = extra.pop("precision", "fp32")
         memory_fraction = float(extra.pop("memory_fraction", 0.9))
         self.corpus_dir = Path(extra.pop("corpus_dir", None) or ".")
+        prompt_dir = extra.pop("prompt_dir", None)
+        self.prompt_dir = Path(prompt_dir) if prompt_dir else None
         extra.pop("allow_paths", None)
         self.max_segment_tokens = int(extra.pop("max_segment_tokens", MAX_SEGMENT_TOKENS))
         self.flow_batch = extra.pop("flow_batch", None)
@@ -117,6 +119,7 @@ class CosyVoiceEngine:
         self.sample_rate = self.t2w.sample_rate
         self.seed = options.seed
         self._PromptError = PromptError
+        self._normalize = normalize
         self._torch = torch
 
         # The job's default voice is checked now: a bad --speaker or --prompt-wav is a usage error.
@@ -150,23 +153,31 @@ class CosyVoiceEngine:
         self.pool_info = asdict(pool) | {"bytes_per_cost_unit": per_unit, "probed_budget": self.probed_budget}
 
     def _probe(self) -> dict[str, float]:
-        """Peak bytes per padded cost unit of each stage, on a small synthetic batch."""
+        """Peak bytes per padded cost unit of each stage.
+
+        The flow and the vocoder run on two synthetic segments of the longest planned length (their
+        attention grows faster than linearly, so the longest is the costliest per unit). The LM's
+        KV cache is computed, not probed: a batch reserves room for 20 speech tokens per text token
+        (upstream's maximum) and briefly holds two copies when finished rows leave the batch."""
         from .. import gpu
-        from ..cosyvoice.features import Voice
         from ..cosyvoice.flow import FlowInput
         from ..cosyvoice.llm import LMRequest
 
         torch = self._torch
-        rows, text_len = 4, 20
+        rows, text_len = 2, self.max_segment_tokens
         tokens = TOKENS_PER_TEXT_TOKEN * text_len
         units = rows * tokens
-        voice = Voice("probe", torch.zeros(192), "", None, None)
-        requests = [LMRequest(text=list(range(100, 100 + text_len)), seed=i, min_tokens=tokens, max_tokens=tokens)
+        embedding = torch.zeros(192)
+        requests = [LMRequest(text=list(range(100, 100 + text_len)), seed=i, min_tokens=8, max_tokens=8)
                     for i in range(rows)]
-        items = [FlowInput(torch.arange(tokens) % 6561, voice.embedding) for _ in range(rows)]
+        items = [FlowInput(torch.arange(tokens) % 6561, embedding) for _ in range(rows)]
         mels = self.t2w.mels(items)
+        c = self.lm.config
+        element = 2 if self.precision != "fp32" else 4
+        kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * element
+        kv_per_unit = 2 * kv_per_token * 20 / TOKENS_PER_TEXT_TOKEN
         return {
-            "lm": gpu.probe_stage(lambda: self.lm.generate(requests, self.sampling), units, self.device),
+            "lm": gpu.probe_stage(lambda: self.lm.generate(requests, self.sampling), units, self.device) + kv_per_unit,
             "flow": gpu.probe_stage(lambda: self.t2w.mels(items), units, self.device),
             "hift": gpu.probe_stage(lambda: self.t2w.vocode(mels, list(range(rows))), units, self.device),
         }
@@ -197,26 +208,31 @@ class CosyVoiceEngine:
             return self.default_voice
         try:
             if request.prompt_wav is not None:
-                path = Path(request.prompt_wav)
-                if request.from_row and not path.is_absolute():
-                    path = self.corpus_dir / path
+                path = self._row_prompt_path(request.prompt_wav) if request.from_row else Path(request.prompt_wav)
                 return self.voices.prompt(path, request.prompt_text or "")
             return self.voices.speaker(request.name)
         except self._PromptError as exc:
             raise RowRejected(str(exc)) from None
 
+    def _row_prompt_path(self, value: str) -> Path:
+        """A corpus row's prompt path: relative to the corpus folder, and inside it or --prompt-dir.
+
+        A corpus is untrusted input: it may not make the job read (or probe for) files elsewhere."""
+        path = (self.corpus_dir / value).resolve()
+        roots = [self.corpus_dir.resolve()] + ([self.prompt_dir.resolve()] if self.prompt_dir else [])
+        if not any(path.is_relative_to(root) for root in roots):
+            allowed = " or ".join(str(r) for r in roots)
+            raise RowRejected(f"prompt_wav {value!r} is outside {allowed}; rows may only name prompt files "
+                              "there (pass --prompt-dir DIR to allow another folder)")
+        return path
+
     def _prompt_text_tokens(self, voice) -> tuple[int, ...]:
         cached = self._prompt_tokens.get(voice.key)
         if cached is None:
-            cached = tuple(self.tokenizer.encode(voice.prompt_text)) if voice.prompt_text else ()
+            # Normalised like the text it precedes, as upstream does for zero-shot prompts.
+            cached = tuple(self.tokenizer.encode(self._normalize(voice.prompt_text))) if voice.prompt_text else ()
             self._prompt_tokens[voice.key] = cached
         return cached
-
-    def voice_label(self, request: Optional[VoiceRequest]) -> str:
-        try:
-            return self._voice(request).key
-        except RowRejected:
-            return self.voice_name
 
     # -- text ---------------------------------------------------------------------------------
     def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None) -> Prepared:
@@ -235,7 +251,7 @@ class CosyVoiceEngine:
             payloads.append(Segment(tuple(tokens), chosen, prompt_tokens, item_seed(self.seed, item_id, part)))
             costs.append(max(1, TOKENS_PER_TEXT_TOKEN * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
-        return Prepared(tuple(costs), tuple(payloads), spoken)
+        return Prepared(tuple(costs), tuple(payloads), spoken, voice=chosen.key)
 
     # -- audio --------------------------------------------------------------------------------
     def _autocast(self):
