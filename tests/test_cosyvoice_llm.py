@@ -146,3 +146,11 @@ def test_model_dir_errors(cosyvoice_dir, tmp_path):
     (tmp_path / "llm.pt").symlink_to(cosyvoice_dir / "llm.pt")
     with pytest.raises(ModelDirError, match=r"missing: llm\.model\.model\.layers\.2"):
         load_llm(tmp_path)
+
+
+def test_nothing_to_generate_gives_nothing_alone_or_in_a_batch(lm):
+    reqs = requests()
+    empty = copy(reqs[0], max_tokens=0)
+    assert lm.generate([empty]) == [[]]
+    mixed = lm.generate([empty, copy(reqs[3])])
+    assert mixed[0] == [] and mixed[1] == lm.generate([copy(reqs[3])])[0]

@@ -99,11 +99,9 @@ class Qwen2Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k, v = cache.append(layer, k, v)
-        group = self.heads // self.kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # Under autocast the cache holds the low-precision dtype; keep q in it too.
+        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                             enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -163,6 +161,8 @@ class KVCache:
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         end = self.length + k.size(2)
+        if end > self.k[layer].size(2):
+            raise RuntimeError(f"KV cache full ({self.k[layer].size(2)} positions)")
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
@@ -171,9 +171,11 @@ class KVCache:
         self.length += steps
 
     def keep(self, rows: Tensor) -> None:
-        """Drop finished rows (indices of the rows to keep)."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
+        """Drop finished rows (indices of the rows to keep), one layer at a time so that at most
+        one layer is held twice."""
+        for cache in (self.k, self.v):
+            for i in range(len(cache)):
+                cache[i] = cache[i].index_select(0, rows)
 
 
 class _CausalLM(nn.Module):
@@ -267,6 +269,19 @@ class SpeechLM(nn.Module):
         n = len(requests)
         if n == 0:
             return []
+        limits = [r.max_tokens if r.max_tokens is not None else int(len(r.text) * max_ratio) for r in requests]
+        if min(limits) <= 0:  # nothing to generate for these: decode the others only
+            live = [i for i, limit in enumerate(limits) if limit > 0]
+            decoded = self.generate([requests[i] for i in live], sampling, min_ratio, max_ratio)
+            out = [[] for _ in requests]
+            for i, tokens in zip(live, decoded, strict=True):
+                out[i] = tokens
+            for req, tokens in zip(requests, out, strict=True):
+                req.tokens = tokens
+            return out
+        cache_dtype = dtype
+        if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+            cache_dtype = torch.get_autocast_dtype("cuda")
         prompts = [self.prompt_embeddings(r, device) for r in requests]
         lengths = torch.tensor([p.size(0) for p in prompts], device=device)
         width = int(lengths.max())
@@ -280,7 +295,7 @@ class SpeechLM(nn.Module):
             x[i, width - p.size(0) :] = p
             valid[i, width - p.size(0) : width] = True
         positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
-        cache = KVCache(self.config, n, width + steps, device, dtype)
+        cache = KVCache(self.config, n, width + steps, device, cache_dtype)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         mask = causal[None, None] & valid[:, None, None, :width]
         # A padded query row would attend to nothing; let it see itself so softmax stays finite.
