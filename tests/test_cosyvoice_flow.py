@@ -129,6 +129,15 @@ def test_yaml_rejects_code_in_references(tmp_path):
     (tmp_path / "m.yaml").write_text("a: 1\nb: !ref __import__('os').getcwd() or <a>\n")
     with pytest.raises(ValueError, match="cannot evaluate"):
         load_yaml(tmp_path / "m.yaml")
+    # No arithmetic bombs, and a chain of references resolves each key once.
+    (tmp_path / "m.yaml").write_text("x: !ref 9 ** 9 ** 9\n")
+    with pytest.raises(ValueError, match="cannot evaluate"):
+        load_yaml(tmp_path / "m.yaml")
+    (tmp_path / "m.yaml").write_text("k0: 1\n" + "".join(f"k{i}: !ref <k{i - 1}> + <k{i - 1}>\n" for i in range(1, 55)))
+    with pytest.raises(ValueError, match="over"):
+        load_yaml(tmp_path / "m.yaml")
+    (tmp_path / "m.yaml").write_text("k0: 1\n" + "".join(f"k{i}: !ref <k{i - 1}> + <k{i - 1}>\n" for i in range(1, 40)))
+    assert load_yaml(tmp_path / "m.yaml")["k39"] == 2**39
 
 
 def test_model_dir_errors_name_the_problem(cosyvoice_dir, tmp_path):

@@ -77,39 +77,48 @@ _OPS = {
     ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
 }
+# Bounds for untrusted files: no arithmetic blow-up, no billion-laughs expansion through references.
+_MAX_NUMBER = 1e15
+_MAX_NODES = 100_000
 
 
 def _arith(node: ast.AST) -> float | int:
-    """Evaluate a parsed expression made only of numbers, + - * / // % ** and parentheses."""
+    """Evaluate a parsed expression made only of numbers, + - * / // % and parentheses."""
     if isinstance(node, ast.Expression):
         return _arith(node.body)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_arith(node.left), _arith(node.right))
+        value = _OPS[type(node.op)](_arith(node.left), _arith(node.right))
+        if abs(value) > _MAX_NUMBER:
+            raise ValueError(f"a value over {_MAX_NUMBER:g}")
+        return value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _arith(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
-    raise ValueError("only numbers and + - * / // % ** are allowed")
+    raise ValueError("only numbers and + - * / // % are allowed")
 
 
 class _Resolver:
     def __init__(self, root: dict[str, Any]):
         self.root = root
         self.active: set[str] = set()
+        self.done: dict[str, Any] = {}  # each key resolved once, however often it is referenced
+        self.nodes = 0
 
     def lookup(self, name: str, subscripts: str) -> Any:
         if name not in self.root:
             raise ValueError(f"!ref <{name}> names no top-level key")
         if name in self.active:
             raise ValueError(f"!ref <{name}> refers to itself")
-        self.active.add(name)
-        try:
-            value = self.resolve(self.root[name])
-        finally:
-            self.active.discard(name)
+        if name not in self.done:
+            self.active.add(name)
+            try:
+                self.done[name] = self.resolve(self.root[name])
+            finally:
+                self.active.discard(name)
+        value = self.done[name]
         for key in re.findall(r"\[([^\]]+)\]", subscripts):
             key = key.strip("'\"")
             value = value[int(key)] if isinstance(value, list) else value[key]
@@ -127,6 +136,9 @@ class _Resolver:
             raise ValueError(f"cannot evaluate !ref {text!r}: {exc}") from None
 
     def resolve(self, value: Any) -> Any:
+        self.nodes += 1
+        if self.nodes > _MAX_NODES:
+            raise ValueError(f"more than {_MAX_NODES} values after resolving references")
         if isinstance(value, _Ref):
             return self.expr(value.expr)
         if isinstance(value, Call):
