@@ -50,7 +50,8 @@ class BadRow:
 class Columns:
     """Which corpus columns hold what. `id`, `voice` and the prompt columns are optional.
 
-    Without an explicit voice column, 'voice' is used, else 'speaker' when the corpus has one."""
+    Without an explicit voice column, 'voice' is used, else `voice_fallback` (for CosyVoice:
+    'speaker') when the corpus has it."""
 
     id: str = "id"
     text: str = "text"
@@ -59,11 +60,13 @@ class Columns:
     voice_required: bool = False
     prompt_wav: str = "prompt_wav"
     prompt_text: str = "prompt_text"
+    voice_fallback: Optional[str] = None
 
     def with_voice(self, names) -> Columns:
-        """Fall back to a 'speaker' column when no voice column was named and 'voice' is absent."""
-        if not self.voice_required and self.voice not in names and "speaker" in names:
-            return replace(self, voice="speaker")
+        """Use the fallback voice column when no voice column was named and 'voice' is absent."""
+        fallback = self.voice_fallback
+        if fallback and not self.voice_required and self.voice not in names and fallback in names:
+            return replace(self, voice=fallback)
         return self
 
 

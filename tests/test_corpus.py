@@ -139,3 +139,20 @@ def test_parquet_reader_accounts_for_every_row(tmp_path_factory, rows):
             assert r.reason
             bad_id = raw_id is None or not str(raw_id).strip()
             assert bad_id or text is None or not text.strip() or not text.isprintable()
+
+
+def test_prompt_columns_and_the_speaker_fallback(tmp_path):
+    rows = [{"id": "a", "text": "Hi.", "speaker": 3, "prompt_wav": "p.wav", "prompt_text": "Hello."},
+            {"id": "b", "text": "Yo.", "speaker": 4, "prompt_wav": None, "prompt_text": "orphan"}]
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    # Piper: a 'speaker' column is not a voice (an integer one used to be ignored and still is).
+    read = list(Corpus(corpus, Columns()))
+    assert read[0] == Row(0, "a", "Hi.", None, "p.wav", "Hello.")
+    assert isinstance(read[1], BadRow) and "prompt_text without prompt_wav" in read[1].reason
+    # CosyVoice: 'speaker' is the voice column when there is no 'voice'; its values must be strings.
+    read = list(Corpus(corpus, Columns(voice_fallback="speaker")))
+    assert isinstance(read[0], BadRow) and "voice is a int" in read[0].reason
+    named = write_parquet(tmp_path / "n.parquet", [{"id": "a", "text": "Hi.", "speaker": "alice"}])
+    assert next(iter(Corpus(named, Columns(voice_fallback="speaker")))).voice == "alice"
+    jsonl = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "Hi.", "speaker": "bob", "prompt_wav": "x.wav"}])
+    assert next(iter(Corpus(jsonl, Columns(voice_fallback="speaker")))) == Row(0, "a", "Hi.", "bob", "x.wav", None)
