@@ -348,13 +348,9 @@ def _fold_weight(g: Tensor, v: Tensor) -> Tensor:
     kept = [d for d in range(g.dim()) if g.shape[d] != 1]
     if len(kept) > 1 or g.dim() not in (0, v.dim()):
         raise ValueError(f"cannot fold weight norm with g of shape {tuple(g.shape)} and v of shape {tuple(v.shape)}")
-    if not kept:
-        return v * (g / v.norm())
-    dim = kept[0]
-    norm = v.transpose(0, dim).reshape(v.shape[dim], -1).norm(dim=1)
-    shape = [1] * v.dim()
-    shape[dim] = v.shape[dim]
-    return v * (g / norm.view(shape))
+    # torch's own kernel (what weight_norm computes at every upstream call), so the folded weights
+    # are bit-identical to upstream's and f0 does not drift by a rounding step.
+    return torch._weight_norm(v, g, kept[0] if kept else -1)
 
 
 def _folded_state(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
