@@ -50,7 +50,7 @@ class RunConfig:
     precision: str = "fp32"
     """CosyVoice: fp32, or bf16/fp16 autocast for the LM and flow on CUDA."""
     memory_fraction: float = 0.9
-    """GPU (CosyVoice): share of the device's memory the process may use, in (0, 1]; pre-allocated as a pool."""
+    """GPU: share of device memory for the job, in (0, 1]; CosyVoice pre-allocates it, Piper caps onnxruntime to it."""
     device: str = "auto"
     """auto (CUDA when onnxruntime has it, else CPU), cpu or cuda."""
     batch_size: Optional[int] = None
@@ -185,6 +185,7 @@ class RunConfig:
             "noise_w": self.noise_w,
             "speaker": self.speaker,
             "voice_dir": self.voice_dir,
+            "memory_fraction": self.memory_fraction,
             **({} if self.conv2d is None else {"conv2d": self.conv2d}),
         }
 

@@ -367,6 +367,22 @@ def ort_cuda_options(mem_limit_bytes: int | None) -> dict[str, str]:
     return options
 
 
+def device_total_bytes(index: int = 0) -> int | None:
+    """Total memory of GPU ``index`` without starting CUDA in this process (nvidia-smi), or None."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, f"--id={index}", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return int(float(out.strip().splitlines()[0]) * (1 << 20))  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 # -- batch budget from a measurement ------------------------------------------------------------
 def _positive(value: object) -> bool:
     try:

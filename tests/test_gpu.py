@@ -360,3 +360,13 @@ def test_probe_stage_with_a_fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     assert gpu.probe_stage(stage, 8, "cuda") == 500.0
     assert events == ["sync", "reset", "fn", "sync"]
+
+
+def test_device_total_bytes_reads_nvidia_smi_without_starting_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu.device_total_bytes() is None  # no nvidia-smi: no cap, never a crash
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 143771\n")
+    smi.chmod(0o755)
+    assert gpu.device_total_bytes() == 143771 << 20
+    assert gpu.ort_cuda_options(int(gpu.device_total_bytes() * 0.5))["gpu_mem_limit"] == str((143771 << 20) // 2)

@@ -400,7 +400,7 @@ class PiperEngine:
         self.noise_w = _pick(extra.pop("noise_w", None), self.config.noise_w)
         self.max_piece_ids = int(extra.pop("max_piece_ids", MAX_PIECE_IDS))
         self.speaker = self._speaker_id(extra.pop("speaker", None))
-        providers = _providers(ort, options.device)
+        providers = _providers(ort, options.device, float(extra.pop("memory_fraction", 0.9)))
         # The 2-D convolution rewrite is measured on CPU only (benchmarks/cpu_settings.py).
         on_cpu = providers == ["CPUExecutionProvider"]
         self.conv2d = bool(extra.pop("conv2d", on_cpu))
@@ -594,16 +594,18 @@ def _pick(value, default: float) -> float:
     return float(default if value is None else value)
 
 
-def _providers(ort, device: str) -> list:
+def _providers(ort, device: str, memory_fraction: float = 0.9) -> list:
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
     available = ort.get_available_providers()
     if device != "cpu" and "CUDAExecutionProvider" in available:
-        cuda = {
-            "cudnn_conv_algo_search": "HEURISTIC",  # EXHAUSTIVE re-benchmarks every new shape
-            "arena_extend_strategy": "kSameAsRequested",
-        }
-        return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
+        from ..gpu import device_total_bytes, ort_cuda_options
+
+        # HEURISTIC: EXHAUSTIVE re-benchmarks every new shape. kSameAsRequested: the arena grows by
+        # what is asked. gpu_mem_limit: --memory-fraction of the device (when nvidia-smi tells its size).
+        total = device_total_bytes()
+        return [("CUDAExecutionProvider", ort_cuda_options(int(total * memory_fraction) if total else None)),
+                "CPUExecutionProvider"]
     if device == "cuda":
         raise UsageError("--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu "
                          "(pip uninstall onnxruntime && pip install onnxruntime-gpu) or use --device cpu")
