@@ -84,6 +84,10 @@ class SynthWorker:
 
     def __init__(self, cfg: RunConfig, device: str):
         self.cfg = cfg
+        if cfg.engine == "cosyvoice" and device != "cpu":
+            from .gpu import configure_allocator
+
+            configure_allocator()  # this actor's own process: before its engine imports torch
         self.engines = EngineSet(cfg, EngineOptions(device, cfg.threads, cfg.seed, cfg.engine_extra()))
         self.batch_size = cfg.batch_size or 1
         self.batch_budget = cfg.batch_budget or self.batch_size * 256
