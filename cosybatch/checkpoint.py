@@ -10,6 +10,7 @@ skips every id the journal names, so nothing is lost and nothing is duplicated.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import time
@@ -20,6 +21,18 @@ from typing import Optional
 
 from .errors import ResumeMismatchError, UsageError
 from .shards import fsync_dir, shard_name
+
+
+def file_fingerprint(path: Path) -> dict:
+    """Identifies a (possibly multi-GB) file cheaply: its size and a hash of its first and last MiB."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            h.update(f.read())
+    return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
 
 STATE_DIR = ".cosybatch"
 JOB_FILE = "job.json"

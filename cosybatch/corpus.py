@@ -9,7 +9,6 @@ any work starts.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import re
 import unicodedata
@@ -18,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
+from .checkpoint import file_fingerprint
 from .errors import CorpusError
 
 PARQUET_BATCH_ROWS = 4096
@@ -279,14 +279,7 @@ class Corpus:
 
     def fingerprint(self) -> dict:
         """Identifies the corpus cheaply: its name, size and hashes of its first and last MiB."""
-        size = self.path.stat().st_size
-        h = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            h.update(f.read(1 << 20))
-            if size > 2 << 20:
-                f.seek(size - (1 << 20))
-                h.update(f.read())
-        return {"name": self.path.name, "size": size, "sha256_head_tail": h.hexdigest()[:32]}
+        return {"name": self.path.name, **file_fingerprint(self.path)}
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:

@@ -161,3 +161,12 @@ def test_cosyvoice_needs_a_model(corpus, tmp_path):
     assert proc.returncode == 2 and "--model" in proc.stderr
     proc = cli("run", str(corpus), "--model", str(tmp_path), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "--engine cosyvoice" in proc.stderr
+
+
+def test_check_validates_the_speaker_without_loading_weights(cosyvoice_dir, corpus, tmp_path):
+    base = ["run", str(corpus), "--engine", "cosyvoice", "--model", str(cosyvoice_dir), "--check"]
+    ok = cli(*base, "--speaker", "alice")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout.splitlines()[-1])["voice"]["speakers"] == ["alice", "bob"]
+    bad = cli(*base, "--speaker", "zed")
+    assert bad.returncode == 2 and "unknown speaker 'zed'" in bad.stderr and "alice, bob" in bad.stderr

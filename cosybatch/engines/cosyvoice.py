@@ -10,8 +10,6 @@ embedding and prompt.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..checkpoint import file_fingerprint
 from ..errors import UsageError
 from ..plan import Unit
 from . import EngineOptions, Prepared, RowRejected, Synthesised, VoiceRequest
@@ -43,18 +42,6 @@ class Segment:
     voice: object  # cosyvoice.features.Voice
     prompt_text_tokens: tuple[int, ...]
     seed: int
-
-
-def _fingerprint(path: Path) -> str:
-    """Size plus a hash of the first and last MiB: identifies a multi-GB checkpoint cheaply."""
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 2 << 20:
-            f.seek(-(1 << 20), os.SEEK_END)
-            h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 class CosyVoiceEngine:
@@ -135,7 +122,7 @@ class CosyVoiceEngine:
                 self.voice_name = "per-row"
         except PromptError as exc:
             raise UsageError(str(exc)) from None
-        self._files = {n: _fingerprint(self.model_dir / n) for n in ("llm.pt", "flow.pt", "hift.pt")}
+        self._files = {n: file_fingerprint(self.model_dir / n) for n in ("llm.pt", "flow.pt", "hift.pt")}
         self.pool_info: Optional[dict] = None
         self.probed_budget: Optional[int] = None
         if self.device == "cuda":
@@ -305,7 +292,7 @@ MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx
 def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path], prompt_text: Optional[str]) -> dict:
     """What ``run --check`` verifies without loading weights: the model folder's files and yaml,
     the default speaker, the default prompt audio."""
-    from ..cosyvoice.features import PromptError, load_audio
+    from ..cosyvoice.features import PromptError, VoiceBank, load_audio
     from ..cosyvoice.model import ModelDirError, read_config
 
     try:
@@ -315,14 +302,12 @@ def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path],
     missing = [name for name in MODEL_FILES if not (Path(model) / name).is_file()]
     if missing:
         raise UsageError(f"--model {model}: missing {', '.join(missing)}; is this the CosyVoice2-0.5B folder?")
-    speakers: list[str] = []
-    if (Path(model) / "spk2info.pt").is_file():
-        import torch
-
-        speakers = sorted(torch.load(Path(model) / "spk2info.pt", map_location="cpu", weights_only=True))
-    if speaker is not None and speaker not in speakers:
-        known = ", ".join(speakers) or "none"
-        raise UsageError(f"--speaker {speaker!r}: not in {model}/spk2info.pt (speakers: {known})")
+    bank = VoiceBank(model)  # reads spk2info.pt only; its ONNX sessions open on first use
+    if speaker is not None:
+        try:
+            bank.speaker(speaker)
+        except PromptError as exc:
+            raise UsageError(f"--speaker: {exc}") from None
     prompt = None
     if prompt_wav is not None:
         try:
@@ -330,7 +315,7 @@ def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path],
         except PromptError as exc:
             raise UsageError(str(exc)) from None
         prompt = {"path": str(prompt_wav), "seconds": round(len(audio) / rate, 3), "text": prompt_text}
-    return {"model": str(model), "speakers": speakers, "speaker": speaker, "prompt": prompt}
+    return {"model": str(model), "speakers": bank.speakers, "speaker": speaker, "prompt": prompt}
 
 
 def _chunks(indices: list[int], size) -> list[list[int]]:
