@@ -92,9 +92,8 @@ class SynthWorker:
         self.batch_size = cfg.batch_size or 1
         self.batch_budget = cfg.batch_budget or self.batch_size * 256
 
-    def process(self, rows: list[tuple]) -> dict:
+    def process(self, rows: list[Row]) -> dict:
         cfg = self.cfg
-        rows = [Row(*r) for r in rows]
         digest = chunk_digest([r.id for r in rows])
         units, pending, failures = [], {}, []
         for key, row in enumerate(rows):
@@ -271,7 +270,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
 
         (out.state / RAY_FAILURES_DIR).mkdir(parents=True, exist_ok=True)
         gate = RowGate(done_ids, failed_rows, cfg.max_chars)
-        chunk: list[tuple] = []
+        chunk: list[Row] = []
         t_read = time.monotonic()
         for row in read_rows(corpus):
             if stop.is_set() or (cfg.limit is not None and row.index >= cfg.limit):
@@ -282,7 +281,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
             if isinstance(admitted, dict):
                 driver_failures.append(admitted)
                 continue
-            chunk.append((row.index, row.id, row.text, row.voice, row.prompt_wav, row.prompt_text))
+            chunk.append(row)
             if len(chunk) >= opts.rows_per_task:
                 while not pool.has_free():
                     collect(next_result())

@@ -14,6 +14,7 @@ from helpers import read_output
 ray = pytest.importorskip("ray")
 
 from cosybatch.config import RunConfig  # noqa: E402
+from cosybatch.corpus import Row  # noqa: E402
 from cosybatch.job import run  # noqa: E402
 from cosybatch.ray_run import RayOptions, SynthWorker, ray_run  # noqa: E402
 
@@ -86,7 +87,7 @@ def test_a_retried_chunk_rewrites_the_same_shard(tmp_path):
     cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")
     OutputDir(cfg.out).state.mkdir(parents=True)
     worker = SynthWorker(cfg, "cpu")
-    chunk = [(i, r["id"], r["text"], None) for i, r in enumerate(rows(3))]
+    chunk = [Row(i, r["id"], r["text"]) for i, r in enumerate(rows(3))]
     first = worker.process(chunk)
     second = worker.process(list(reversed(chunk)))
     assert first["items"][0]["shard"] == second["items"][0]["shard"]
