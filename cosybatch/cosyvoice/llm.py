@@ -286,7 +286,7 @@ class SpeechLM(nn.Module):
         lengths = torch.tensor([p.size(0) for p in prompts], device=device)
         width = int(lengths.max())
         lo = [r.min_tokens if r.min_tokens is not None else int(len(r.text) * min_ratio) for r in requests]
-        hi = [r.max_tokens if r.max_tokens is not None else int(len(r.text) * max_ratio) for r in requests]
+        hi = limits
         steps = max(hi)
         # Left padding: every row's last prompt position sits at column width - 1.
         x = torch.zeros(n, width, self.config.hidden_size, device=device, dtype=dtype)
