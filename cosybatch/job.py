@@ -666,7 +666,7 @@ class _Job:
             status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
             device=self.device, batch_size_limit=self.batch_size, batch_budget=self.batch_budget,
             workers=self.workers, cosybatch=__version__, budget_changes=list(self.guard.changes),
-            gpu_memory=memory_stats() if self.device == "cuda" else {},
+            gpu_memory=memory_stats(),
             cold_start_seconds=round(self.stats.stage_s["load"], 3),
             memory_pool=getattr(engine, "pool_info", None),
             shard=None if self.cfg.shard_count is None else [self.cfg.shard_index, self.cfg.shard_count],
