@@ -22,16 +22,25 @@ import numpy as np
 TAR_BLOCK = 512
 MAX_KEY_CHARS = 64  # + "_" + 20 hex digits + ".json" stays within ustar's 100-character names
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+# The shape every hashed key ends with. No id with this shape passes through unchanged, so a
+# passed-through key and a hashed key can never be equal.
+_HASHED_SHAPE = re.compile(r"_[0-9a-f]{20}\Z")
 
 
 def item_key(item_id: str) -> str:
     """A shard key for an id: letters, digits, '_' and '-' only (readers split the key from the
-    extension at the first dot). Ids that needed changing get a hash suffix so keys stay unique."""
+    extension at the first dot).
+
+    Injective: an id passes through unchanged only when it is safe, at most MAX_KEY_CHARS long
+    and does not end like a hashed key (`_` + 20 hex digits); every other id becomes its sanitised
+    prefix + `_` + an 80-bit hash of the whole id. Passed-through keys are distinct because the
+    ids are; hashed keys never equal a passed-through one (shape) and differ from each other
+    unless two ids collide in 80-bit BLAKE2b."""
     clean = _UNSAFE.sub("_", item_id)[:MAX_KEY_CHARS]
-    if clean == item_id:
+    if clean == item_id and not _HASHED_SHAPE.search(item_id):
         return clean
     digest = hashlib.blake2b(item_id.encode("utf-8", "surrogatepass"), digest_size=10).hexdigest()
-    return f"{clean}_{digest}" if clean else digest
+    return f"{clean}_{digest}"
 
 
 def shard_name(index: int) -> str:
