@@ -38,14 +38,33 @@ def parse_shard(spec: Optional[str], env: Mapping[str, str] = os.environ) -> tup
         count = int(text)
     except ValueError:
         raise UsageError(f"--shard {spec!r}: use I/N (worker I of N) or N (index from the scheduler)") from None
+    if count < 1:
+        raise UsageError(f"--shard {spec}: the worker count must be at least 1")
     for name in INDEX_VARIABLES:
         if env.get(name, "").strip():
-            index = int(env[name])
-            if name == "SLURM_ARRAY_TASK_ID":
-                index -= int(env.get("SLURM_ARRAY_TASK_MIN", "0") or 0)
+            index, source = _env_index(env, name, spec), f"{name}={env[name].strip()}"
+            if name == "SLURM_ARRAY_TASK_ID" and env.get("SLURM_ARRAY_TASK_MIN", "").strip():
+                index -= _env_index(env, "SLURM_ARRAY_TASK_MIN", spec)
+                source += f" minus SLURM_ARRAY_TASK_MIN={env['SLURM_ARRAY_TASK_MIN'].strip()}"
+            if not 0 <= index < count:  # RunConfig checks too, but cannot say where the index came from
+                raise UsageError(f"--shard {spec}: the worker index from {source} is {index}, outside "
+                                 f"0..{count - 1}; give the scheduler {count} tasks numbered from 0, "
+                                 "or use --shard I/N")
             return index, count
     raise UsageError(f"--shard {spec}: no worker index in the environment ({', '.join(INDEX_VARIABLES)}); "
                      "use --shard I/N")
+
+
+def _env_index(env: Mapping[str, str], name: str, spec: str) -> int:
+    """A scheduler variable as an int. A wrong value is the job template's mistake (a typo, a
+    variable set by hand), so it is a usage error naming the variable, not a traceback."""
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        shown = repr(value) if len(value) <= 40 else repr(value[:40]) + "…"
+        raise UsageError(f"{name}={shown} is not a worker index; --shard {spec} takes this worker's index "
+                         f"from {name}, which must be a whole number: fix or unset it, or use --shard I/N") from None
 
 
 def part_name(index: int, count: int) -> str:

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UsageError
+
 SPEAKER_DIM = 192
 MAX_PROMPT_SECONDS = 30.0  # upstream's speech tokenizer refuses longer audio
 TOKENIZER_RATE = 16000  # speech tokenizer and campplus both read 16 kHz audio
@@ -295,6 +297,37 @@ def file_sha1(path: str | os.PathLike[str], extra: bytes = b"") -> str:
     return h.hexdigest()
 
 
+def load_spk2info(path: Path) -> dict[str, Any] | None:
+    """``spk2info.pt`` ({speaker name: {'embedding': tensor, ...}}), or None when the model has none.
+
+    Loaded weights-only, so a pickle of anything else (an object of some class, a function call)
+    is refused, never run. That file, or a corrupt one, is the user's to replace: a usage error
+    naming it, not a traceback."""
+    if not path.is_file():
+        return None
+    fix = "re-save it holding only tensors, dicts, lists and strings, or use the official CosyVoice2-0.5B file"
+    try:
+        info = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for unsafe or corrupt files
+        raise UsageError(f"{path}: cannot be loaded as a weights-only checkpoint ({_load_error(exc)}); {fix}") from None
+    if not isinstance(info, dict) or not all(isinstance(name, str) for name in info):
+        raise UsageError(f"{path}: expected a dict of speaker name -> {{'embedding': tensor}}, "
+                         f"found {type(info).__name__}; {fix}")
+    return info
+
+
+def _load_error(exc: Exception) -> str:
+    """The one useful sentence of torch's load error. The rest is advice to retry with
+    ``weights_only=False`` or to allowlist the class: exactly what an untrusted file must not get."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reason = lines[0].split(". ")[0].rstrip(".")[:200] if lines else ""
+    return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+
+
 class VoiceBank:
     """Speaker embeddings (``spk2info.pt``) and zero-shot prompt features, computed once and cached.
 
@@ -323,10 +356,7 @@ class VoiceBank:
         self._pending: dict[tuple, Future] = {}
         self._sessions: dict[str, Any] = {}
         self._session_lock = threading.Lock()  # separate: loading a model must not block cache hits
-        spk_path = self.model_dir / "spk2info.pt"
-        self.spk2info: dict[str, Any] | None = (
-            torch.load(spk_path, map_location="cpu", weights_only=True) if spk_path.is_file() else None
-        )
+        self.spk2info: dict[str, Any] | None = load_spk2info(self.model_dir / "spk2info.pt")
 
     # -- SFT speakers
 

@@ -90,7 +90,10 @@ def _arith(node: ast.AST) -> float | int:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        value = _OPS[type(node.op)](_arith(node.left), _arith(node.right))
+        left, right = _arith(node.left), _arith(node.right)
+        if right == 0 and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
+            raise ValueError("division by zero")  # one wording for / // %, and not a ZeroDivisionError
+        value = _OPS[type(node.op)](left, right)
         if abs(value) > _MAX_NUMBER:
             raise ValueError(f"a value over {_MAX_NUMBER:g}")
         return value
@@ -98,6 +101,11 @@ def _arith(node: ast.AST) -> float | int:
         value = _arith(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
     raise ValueError("only numbers and + - * / // % are allowed")
+
+
+def _shown(text: str, limit: int = 500) -> str:
+    """An expression quoted in an error message, cut so that a runaway one cannot flood the log."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "…"
 
 
 class _Resolver:
@@ -132,8 +140,13 @@ class _Resolver:
         substituted = _REF.sub(lambda m: repr(self.lookup(m.group(1), m.group(2))), text)
         try:
             return _arith(ast.parse(substituted, mode="eval"))
-        except (SyntaxError, ValueError) as exc:
-            raise ValueError(f"cannot evaluate !ref {text!r}: {exc}") from None
+        # A huge literal overflows a float (`!ref 1000...000 / 1`: ArithmeticError) and thousands of
+        # nested operators exhaust the parser or the stack (MemoryError, RecursionError): each is a
+        # broken file like any other, reported with the expression, not a crash.
+        except (SyntaxError, ValueError, ArithmeticError) as exc:
+            raise ValueError(f"cannot evaluate !ref {_shown(text)}: {exc}") from None
+        except (RecursionError, MemoryError):
+            raise ValueError(f"cannot evaluate !ref {_shown(text)}: nested too deeply") from None
 
     def resolve(self, value: Any) -> Any:
         self.nodes += 1
@@ -159,8 +172,10 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> dict
     path = Path(path)
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     raw = {k: v for k, v in raw.items() if not isinstance(v, _Apply)}
@@ -169,6 +184,8 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> dict
         return _Resolver(raw).resolve(raw)
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
+    except RecursionError:  # a chain of thousands of !ref, each naming the next
+        raise ValueError(f"{path}: !ref references nested too deeply") from None
 
 
 def expect(node: Any, *names: str, where: str) -> Call:
