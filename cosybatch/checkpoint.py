@@ -5,6 +5,11 @@ Every committed batch is one fsynced journal line naming the shard, the shard's 
 offset and the items (or failures) it holds. A killed run therefore loses at most the batch in
 flight; the rerun reads the journal, truncates the partial shard to the last committed offset and
 skips every id the journal names, so nothing is lost and nothing is duplicated.
+
+A rerun also checks what it resumes from (`repair.py`): shards the journal counts on must exist
+and be long enough, and a journal that lost its tail must not forget audio a finished shard still
+holds. `Ledger` is the journal replayed: which ids are committed, in which shard, and how long
+each shard must be.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +40,19 @@ def file_fingerprint(path: Path) -> dict:
             h.update(f.read())
     return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
 
+
+
+def file_sha256(path: Path) -> dict:
+    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
 STATE_DIR = ".cosybatch"
 JOB_FILE = "job.json"
 JOURNAL_FILE = "journal.jsonl"
@@ -43,6 +62,8 @@ FAILURES_FILE = "failures.jsonl"
 STATS_FILE = "stats.json"
 RUN_FILE = "run.json"  # under .cosybatch/: pid, start time and row total of the latest run
 RAY_FAILURES_DIR = "ray-failures"  # under .cosybatch/: ray-run failure records, one file per chunk
+DAMAGED_DIR = "damaged"  # under .cosybatch/: shards a rerun could not use, kept for inspection
+CORPUS_CHANGES_FILE = "corpus_changes.jsonl"  # committed ids whose row changed or went (--allow-corpus-change)
 JOB_FORMAT = 1
 
 
@@ -74,6 +95,67 @@ def json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
+EOA_BYTES = 1024  # the two zero blocks that end a tar archive
+
+
+@dataclass
+class ShardState:
+    """One shard as the journal describes it."""
+
+    end: int = 0  # bytes of committed members: the last `items` (or `lost`) record's `end`
+    closed: bool = False  # a `closed` record was written: the file is shard-NNNNNN.tar, end + EOA long
+
+
+@dataclass
+class Ledger:
+    """The journal replayed: which ids are committed, where, and what each shard must hold.
+
+    Record kinds: `items` (a committed batch: shard, its new end offset, item records), `failed`
+    (failure records), `closed` (the shard was finished and renamed), `lost` (the shard now ends
+    at `end`; the listed ids are no longer in it, a rerun synthesises them again), `retry_failures`
+    (the corpus changed: the failures before it no longer count, their rows are tried again)."""
+
+    shards: dict[int, ShardState] = field(default_factory=dict)
+    live: dict = field(default_factory=dict)  # id -> (journal line, shard, duration_s)
+    failed_ids: set = field(default_factory=set)  # failed by id: never redone
+    failed_rows: set = field(default_factory=set)  # failures keyed by row: no id, or a duplicate id
+    failures: int = 0
+
+    @classmethod
+    def replay(cls, journal_path: Path) -> Ledger:
+        ledger = cls()
+        for line, rec in enumerate(Journal.read(journal_path)):
+            kind = rec.get("t")
+            if kind == "items":
+                shard = ledger.shards.setdefault(rec["shard"], ShardState())
+                shard.end = rec["end"]
+                for item in rec["items"]:
+                    ledger.live[item["id"]] = (line, rec["shard"], item["duration_s"])
+            elif kind == "failed":
+                for item in rec["items"]:
+                    if keyed_by_row(item):
+                        ledger.failed_rows.add(item["row"])
+                    else:
+                        ledger.failed_ids.add(item["id"])
+                    ledger.failures += 1
+            elif kind == "closed":
+                ledger.shards.setdefault(rec["shard"], ShardState()).closed = True
+            elif kind == "retry_failures":
+                ledger.failed_ids, ledger.failed_rows, ledger.failures = set(), set(), 0
+            elif kind == "lost":
+                ledger.shards.setdefault(rec["shard"], ShardState()).end = rec["end"]
+                for item_id in rec["ids"]:
+                    if ledger.live.get(item_id, (0, None))[1] == rec["shard"]:
+                        del ledger.live[item_id]
+        return ledger
+
+    def items_in(self, shard: int) -> int:
+        return sum(1 for _, s, _ in self.live.values() if s == shard)
+
+    def audio_s(self) -> float:
+        return sum(d for _, _, d in self.live.values())
+
+
 @dataclass
 class ResumeState:
     """What the journal says is already done."""
@@ -90,15 +172,24 @@ class ResumeState:
 
 
 class Journal:
-    """Append-only JSON lines, each fsynced. A torn last line (killed mid-write) is cut off."""
+    """Append-only JSON lines, each fsynced. A torn last line (killed mid-write) is cut off; so is
+    anything after a damaged line, which `dropped` then describes (the repair that follows
+    recovers what finished shards still hold)."""
 
     def __init__(self, path: Path):
         self.path = path
         records, good_bytes = self._scan(path)
         self.records_at_open = records
+        self.dropped: Optional[str] = None
         if path.exists() and path.stat().st_size != good_bytes:
             with open(path, "r+b") as f:
+                f.seek(good_bytes)
+                tail = f.read()
                 f.truncate(good_bytes)
+            lines = tail.count(b"\n")
+            if lines:  # more than the torn last line of a killed write
+                self.dropped = (f"{path.name} line {records + 1} was damaged; it and the "
+                                f"{lines - 1} lines after it ({len(tail)} B) were dropped")
         created = not path.exists()
         self._file = open(path, "ab")
         if created:
@@ -164,108 +255,140 @@ class OutputDir:
             os.close(fd)
             raise UsageError(f"{self.root} is in use by another cosybatch run; wait for it, "
                              "or write to another --out folder") from None
+        self._lock_fd = fd
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
-            os.ftruncate(self._lock_fd, 0)  # no pid: `cosybatch status` shows the job as not running
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            try:
+                os.ftruncate(self._lock_fd, 0)  # no pid: `cosybatch status` shows the job as not running
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     # -- the job fingerprint -----------------------------------------------------------------
-    def check_or_start(self, fingerprint: dict, restart: bool) -> bool:
-        """Start a new job or check that this one continues the recorded one. Returns True when
-        resuming. Refuses with a list of differences unless `restart`."""
+    def recorded(self) -> Optional[dict]:
+        """job.json as written when the job started, or None for a new folder."""
+        return json.loads(self.job_file.read_text()) if self.job_file.exists() else None
+
+    def check_or_start(self, fingerprint: dict, restart: bool, allow_corpus_change: bool = False) -> Optional[dict]:
+        """Start a new job or check that this one continues the recorded one.
+
+        Returns None for a new job, else the corpus fingerprint the job had before when the
+        corpus changed (and `allow_corpus_change` accepts that), else {} when nothing changed.
+        Other differences are refused with a list of them unless `restart`."""
         if restart:
             self.clear()
-        if self.job_file.exists():
-            recorded = json.loads(self.job_file.read_text())
+        recorded = self.recorded()
+        if recorded is not None:
             old = recorded.get("fingerprint", {})
             diffs = _differences(old, fingerprint)
+            corpus_only = bool(diffs) and all(d.startswith("corpus.") for d in diffs)
+            if corpus_only and allow_corpus_change:
+                history = [*recorded.get("corpus_history", []),
+                           {"changed": time.time(), "was": old.get("corpus"), "now": fingerprint.get("corpus")}]
+                write_atomic(self.job_file, json_bytes({**recorded, "fingerprint": fingerprint,
+                                                        "corpus_history": history}))
+                return old.get("corpus") or {}
+            if corpus_only:
+                raise ResumeMismatchError(
+                    f"{self.root} was made from another version of the corpus: " + "; ".join(diffs)
+                    + ". To go on with this corpus and keep the committed audio, rerun with "
+                    "--allow-corpus-change: committed ids are kept, new ids are synthesised, and "
+                    "committed ids whose row changed are listed in corpus_changes.jsonl. Or pass "
+                    "--restart to delete that output and start over, or choose another --out folder."
+                )
             if diffs:
                 raise ResumeMismatchError(
                     f"{self.root} holds a run with different settings: " + "; ".join(diffs)
                     + ". Rerun with the same settings to resume, pass --restart to delete that "
                     "output and start over, or choose another --out folder."
                 )
-            return True
+            return {}
         if any(self.root.glob("shard-*.tar*")):
-            raise ResumeMismatchError(f"{self.root} holds shards but no cosybatch job record; "
-                                      "choose an empty --out folder or pass --restart")
+            raise ResumeMismatchError(f"{self.root} holds shards but no cosybatch job record "
+                                      f"({STATE_DIR}/{JOB_FILE}); choose an empty --out folder or pass --restart")
         write_atomic(self.job_file, json_bytes({"format": JOB_FORMAT, "created": time.time(),
                                                 "fingerprint": fingerprint}))
-        return False
+        return None
 
     def clear(self) -> None:
         """Delete only what cosybatch writes: shards, manifest, failures, stats, exports, job state."""
         import shutil
 
-        for pattern in ("shard-*.tar", "shard-*.tar.partial", MANIFEST_FILE, FAILURES_FILE, STATS_FILE):
+        for pattern in ("shard-*.tar", "shard-*.tar.partial", MANIFEST_FILE, FAILURES_FILE, STATS_FILE,
+                        CORPUS_CHANGES_FILE):
             for path in self.root.glob(pattern):
                 path.unlink()
         shutil.rmtree(self.root / "exports", ignore_errors=True)
         shutil.rmtree(self.state / RAY_FAILURES_DIR, ignore_errors=True)
+        shutil.rmtree(self.state / DAMAGED_DIR, ignore_errors=True)
         for name in (JOB_FILE, JOURNAL_FILE, RUN_FILE):
             (self.state / name).unlink(missing_ok=True)
 
     # -- resume ------------------------------------------------------------------------------
-    def resume_state(self) -> ResumeState:
-        state = ResumeState()
-        open_shards: dict[int, tuple[int, int]] = {}  # shard -> (committed offset, items)
-        closed: set[int] = set()
-        for rec in Journal.read(self.journal_path):
-            kind = rec.get("t")
-            if kind == "items":
-                shard = rec["shard"]
-                prev = open_shards.get(shard, (0, 0))
-                open_shards[shard] = (rec["end"], prev[1] + len(rec["items"]))
-                for item in rec["items"]:
-                    state.done_ids.add(item["id"])
-                    state.items += 1
-                    state.audio_s += item["duration_s"]
-                state.next_shard = max(state.next_shard, shard + 1)
-            elif kind == "failed":
-                for item in rec["items"]:
-                    if keyed_by_row(item):
-                        state.failed_rows.add(item["row"])
-                    else:
-                        state.done_ids.add(item["id"])
-                    state.failures += 1
-            elif kind == "closed":
-                closed.add(rec["shard"])
-                state.next_shard = max(state.next_shard, rec["shard"] + 1)
-        for shard, (offset, items) in sorted(open_shards.items()):
-            if shard in closed:
-                continue
-            final = self.root / shard_name(shard)
-            if final.exists():
-                # Killed between the rename and its journal line: the shard is whole.
-                closed.add(shard)
-                continue
-            state.open_shard, state.open_offset, state.open_items = shard, offset, items
-        # A partial shard the journal never mentions holds nothing committed.
+    def resume_state(self, ledger: Optional[Ledger] = None) -> ResumeState:
+        """Where to go on from. Run `repair.repair` first: this trusts the files to match the journal."""
+        ledger = ledger or Ledger.replay(self.journal_path)
+        state = ResumeState(done_ids=set(ledger.live) | ledger.failed_ids, failed_rows=ledger.failed_rows,
+                            items=len(ledger.live), failures=ledger.failures, audio_s=ledger.audio_s())
+        on_disk = shard_indices(self.root)
+        state.next_shard = max([*ledger.shards, *on_disk, -1]) + 1
+        for index in sorted(ledger.shards, reverse=True):
+            shard = ledger.shards[index]
+            if not shard.closed and not (self.root / shard_name(index)).exists():
+                state.open_shard, state.open_offset = index, shard.end
+                state.open_items = ledger.items_in(index)
+                break
+        # A partial shard the journal does not count on holds nothing committed.
         for partial in self.root.glob("shard-*.tar.partial"):
-            idx = int(partial.name[len("shard-"):].split(".")[0])
-            if idx != state.open_shard and idx not in closed:
+            index = _shard_index(partial.name)
+            if index is not None and index != state.open_shard:
                 partial.unlink()
         return state
 
     # -- derived files -----------------------------------------------------------------------
-    def write_manifest(self) -> int:
+    def live_items(self, ledger: Optional[Ledger] = None) -> Iterator[dict]:
+        """Every committed item record with its shard, in commit order."""
+        ledger = ledger or Ledger.replay(self.journal_path)
+        for line, rec in enumerate(Journal.read(self.journal_path)):
+            if rec.get("t") == "items":
+                for item in rec["items"]:
+                    if ledger.live.get(item["id"], (None,))[0] == line:
+                        yield {**item, "shard": shard_name(rec["shard"])}
+
+    def write_manifest(self, ledger: Optional[Ledger] = None) -> int:
         """manifest.parquet: every committed item and its shard, in commit order."""
-        records = ({**item, "shard": shard_name(rec["shard"])}
-                   for rec in Journal.read(self.journal_path) if rec.get("t") == "items" for item in rec["items"])
-        return write_manifest_table(self.root, records)
+        return write_manifest_table(self.root, self.live_items(ledger))
 
     def write_failures(self) -> int:
-        failures = [item for rec in Journal.read(self.journal_path) if rec.get("t") == "failed"
-                    for item in rec["items"]]
+        failures: list[dict] = []
+        for rec in Journal.read(self.journal_path):
+            if rec.get("t") == "failed":
+                failures += rec["items"]
+            elif rec.get("t") == "retry_failures":
+                failures = []
         path = self.root / FAILURES_FILE
         if failures or path.exists():
             write_atomic(path, jsonl_bytes(failures))
         return len(failures)
+
+
+def _shard_index(name: str) -> Optional[int]:
+    """NNNNNN of shard-NNNNNN.tar(.partial); None for other names (ray-run's hashed shards)."""
+    match = re.fullmatch(r"shard-(\d{6,})\.tar(?:\.partial)?", name)
+    return int(match.group(1)) if match else None
+
+
+def shard_indices(root: Path) -> dict[int, Path]:
+    """Finished shards on disk by index."""
+    found = {}
+    for path in root.glob("shard-*.tar"):
+        index = _shard_index(path.name)
+        if index is not None:
+            found[index] = path
+    return found
 
 
 MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("text", "string"),

@@ -95,6 +95,7 @@ def run(
     export: Optional[str] = typer.Option(None, help="Comma-separated dataset formats to write at the end: "
                                          "hf, nemo, lhotse."),
     restart: bool = typer.Option(False, "--restart", help=D["restart"]),
+    allow_corpus_change: bool = typer.Option(False, "--allow-corpus-change", help=D["allow_corpus_change"]),
     progress: str = typer.Option("auto", help=D["progress"]),
     log_every: float = typer.Option(30.0, help=D["log_every"]),
     check: bool = typer.Option(False, "--check", help="Check the options, job spec, corpus columns and voice, "
@@ -161,6 +162,8 @@ def _typed(job: Path, key: str, value, hint):
     """A spec value as the flag's type: int, float, bool, str or Path (each maybe Optional)."""
     import typing
 
+    from .jobspec import quote
+
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     target = args[0] if args else hint
     if value is None and args:
@@ -173,7 +176,7 @@ def _typed(job: Path, key: str, value, hint):
         Path: isinstance(value, str),
     }.get(target, False)
     if not ok:
-        raise UsageError(f"--job {job}: {key} = {value!r} should be a {getattr(target, '__name__', target)}")
+        raise UsageError(f"--job {job}: {key} = {quote(value)} should be a {getattr(target, '__name__', target)}")
     return target(value)
 
 
@@ -264,6 +267,24 @@ def status(
     print(json.dumps(result) if as_json else describe(result))
 
 
+@app.command("verify")
+def verify_cmd(
+    out: Path = typer.Argument(..., help="A job's output folder (or a sharded job's root)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    """Read every shard whole and check it against the manifest: each id in exactly one readable
+    KEY.wav + KEY.json pair with the manifest's length. Exit 0 when all is well, 3 listing each
+    problem otherwise."""
+    from .verify import describe, verify
+
+    try:
+        result = verify(out)
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    print(json.dumps(result) if as_json else describe(result))
+    raise typer.Exit(EXIT_OK if result["ok"] else EXIT_BAD_INPUT)
+
+
 @app.command()
 def merge(
     root: Path = typer.Argument(..., help="The --out folder of a job run with --shard."),
@@ -332,10 +353,20 @@ def _fail(message: str, code: int) -> None:
 
 
 def main() -> None:
+    """Every way out after the options are parsed ends with one JSON line on stdout, even an
+    internal error (exit 1), so Airflow's XCom always gets a summary."""
     try:
         app()
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM before a run installed its own handler
+        _exit_with("interrupted before any work was committed; rerun to start", EXIT_INTERRUPTED)
     except Exception as exc:
         logging.getLogger("cosybatch").exception("internal error: %s", exc)
-        raise SystemExit(EXIT_INTERNAL) from None
+        _exit_with(f"internal error: {exc!r}; please report it with the log above", EXIT_INTERNAL)
+
+
+def _exit_with(message: str, code: int) -> None:
+    print(f"cosybatch: error: {message}", file=sys.stderr)
+    print(json.dumps({"status": "error", "exit_code": code, "error": message}))
+    raise SystemExit(code)

@@ -101,6 +101,9 @@ class RunConfig:
     """Dataset formats to write at the end besides WebDataset: hf, nemo, lhotse."""
     restart: bool = False
     """Delete the output folder's earlier cosybatch output and start over."""
+    allow_corpus_change: bool = False
+    """Resume although the corpus file changed: committed ids are kept, new ids synthesised, and
+    committed rows that changed or went are listed in corpus_changes.jsonl."""
     progress: str = "auto"
     """auto (bar on a terminal, log lines otherwise), bar, log or none."""
     log_every: float = 30.0
@@ -200,5 +203,5 @@ class RunConfig:
         body = ast.parse(inspect.getsource(cls)).body[0].body
         for node, nxt in itertools.pairwise(body):
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
         return docs

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
-from .checkpoint import file_fingerprint
+from .checkpoint import file_sha256
 from .errors import CorpusError
 
 PARQUET_BATCH_ROWS = 4096
@@ -98,6 +98,7 @@ class Corpus:
         self._has_id = True
         self._has_voice = False
         self._prompt_cols: tuple[str, ...] = ()
+        self._fingerprint: Optional[dict] = None
         if self.format == "parquet":
             self._check_parquet_schema()
         else:
@@ -176,7 +177,9 @@ class Corpus:
                 for name in with_prompt:
                     with_prompt[name] += name in obj
         except (OSError, EOFError) as exc:
-            raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
+            if not objects:
+                raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
+            # The rows before the damage are usable; reading them reports the damage afterwards.
         if objects and not with_text:
             raise CorpusError(
                 f"{self.path}: none of the first {objects} rows has a {c.text!r} field; fields found: "
@@ -214,29 +217,45 @@ class Corpus:
         return count + (last != b"\n")
 
     def __iter__(self) -> Iterator[Union[Row, BadRow]]:
-        import pyarrow as pa
-
-        rows = self._iter_parquet() if self.format == "parquet" else self._iter_jsonl()
+        """Every readable row, in file order. A part of the file that cannot be read (a corrupt
+        Parquet row group, a truncated or corrupt .gz) raises CorpusError naming it, but only
+        after every row that can be read was yielded: a damaged file never costs its good rows."""
+        if self.format == "parquet":
+            yield from self._iter_parquet()
+            return
         last = -1
         try:
-            for row in rows:
-                last = row.index
-                yield row
-        except (OSError, EOFError, pa.ArrowException) as exc:
-            raise CorpusError(f"{self.path}: reading failed after row {last} ({exc}); the file is "
-                              "truncated or corrupt. Rows before it are kept; fix the file and rerun.") from exc
+            for index, line in _jsonl_lines(self.path):
+                last = index
+                yield self.row_from_json_line(index, line)
+        except (OSError, EOFError) as exc:
+            raise CorpusError(f"{self.path}: reading failed after line {last + 1} ({exc}); the file is "
+                              "truncated or corrupt.") from exc
 
     def _iter_parquet(self) -> Iterator[Union[Row, BadRow]]:
+        """Row group by row group, so that one corrupt row group costs only its own rows."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        index = 0
-        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=self.read_columns):
-            yield from self.rows_from_columns(batch.to_pydict(), index)
-            index += batch.num_rows
-
-    def _iter_jsonl(self) -> Iterator[Union[Row, BadRow]]:
-        for index, line in _jsonl_lines(self.path):
-            yield self.row_from_json_line(index, line)
+        file = pq.ParquetFile(self.path)
+        groups = file.metadata.num_row_groups
+        unreadable = []
+        first = 0
+        for group in range(groups):
+            rows = file.metadata.row_group(group).num_rows
+            index = first
+            try:
+                for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group],
+                                               columns=self.read_columns):
+                    yield from self.rows_from_columns(batch.to_pydict(), index)
+                    index += batch.num_rows
+            except (OSError, pa.ArrowException) as exc:
+                unreadable.append(f"rows {index}-{first + rows - 1} (row group {group + 1} of {groups}: "
+                                  f"{str(exc)[:200]})")
+            first += rows
+        if unreadable:
+            raise CorpusError(f"{self.path}: could not read " + "; ".join(unreadable)
+                              + "; the file is corrupt there.")
 
     def row_from_json_line(self, index: int, line: bytes) -> Union[Row, BadRow]:
         """One JSONL line (raw bytes, so bad UTF-8 is this line's problem only) -> Row or BadRow."""
@@ -278,15 +297,21 @@ class Corpus:
                 + list(self._prompt_cols))
 
     def fingerprint(self) -> dict:
-        """Identifies the corpus cheaply: its name, size and hashes of its first and last MiB."""
-        return {"name": self.path.name, **file_fingerprint(self.path)}
+        """Identifies the corpus exactly: its name, size and the sha256 of the whole file. Computed
+        once per corpus object (it reads every byte, about a second per GB)."""
+        if self._fingerprint is None:
+            self._fingerprint = {"name": self.path.name, **file_sha256(self.path)}
+        return self._fingerprint
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """Yield (0-based line number, raw line) for non-blank lines; bytes so bad UTF-8 is per line."""
+    """Yield (0-based line number, raw line) for non-blank lines; bytes so bad UTF-8 is per line.
+    A UTF-8 byte order mark before the first line (as some Windows tools write) is skipped."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rb") as f:
         for index, line in enumerate(f):
+            if index == 0 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
             if line.strip():
                 yield index, line
 

@@ -8,6 +8,7 @@ finished batches in plan order. Queues between them are bounded, so memory stays
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -22,14 +23,35 @@ from typing import Optional, Union
 import numpy as np
 
 from . import __version__
-from .checkpoint import DUPLICATE_ID, RUN_FILE, STATS_FILE, Journal, OutputDir, json_bytes, write_atomic
+from .checkpoint import (
+    CORPUS_CHANGES_FILE,
+    DUPLICATE_ID,
+    RUN_FILE,
+    STATS_FILE,
+    Journal,
+    Ledger,
+    OutputDir,
+    file_fingerprint,
+    json_bytes,
+    jsonl_bytes,
+    write_atomic,
+)
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Columns, Corpus, Row
 from .distributed import part_name, shard_of
 from .engines import EngineOptions, Prepared, RowRejected, VoiceRequest, open_engine
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, CosybatchError, OutputError, UsageError
+from .errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TOO_MANY_FAILURES,
+    CorpusError,
+    CosybatchError,
+    OutputError,
+    UsageError,
+)
 from .metrics import BatchHistogram
 from .plan import Batch, BudgetGuard, Unit, plan_batches
+from .repair import check_sizes, repair
 from .shards import ShardWriter, item_key, wav_bytes
 from .stats import Progress, Stats
 
@@ -63,7 +85,7 @@ class _Outcome:
 
 @dataclass
 class RunResult:
-    status: str  # "complete" or "interrupted"
+    status: str  # "complete", "interrupted", "too_many_failures" or "damaged"
     exit_code: int
     stats: dict = field(default_factory=dict)
 
@@ -115,8 +137,15 @@ def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig,
         meta["source_text"] = row.text
     members = {"wav": wav_bytes(audio, engine.sample_rate), "json": json.dumps(meta, ensure_ascii=False).encode()}
     record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
-              "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate}
+              "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate,
+              "source": source_hash(row)}
     return key, members, record
+
+
+def source_hash(row: Row) -> str:
+    """What a row asked for (text, voice, prompt): a later corpus whose row differs is reported."""
+    fields = json.dumps([row.text, row.voice, row.prompt_wav, row.prompt_text], ensure_ascii=False)
+    return hashlib.blake2b(fields.encode(), digest_size=8).hexdigest()
 
 
 class RowGate:
@@ -124,15 +153,26 @@ class RowGate:
     resume says is done, and turns bad rows, duplicate ids (the first row wins) and over-long
     texts into failure records. One instance per run, fed rows in file order."""
 
-    def __init__(self, done_ids: set, failed_rows: set, max_chars: int):
+    def __init__(self, done_ids: set, failed_rows: set, max_chars: int, committed: Optional[dict] = None):
         self.done_ids = done_ids
         self.failed_rows = failed_rows
         self.max_chars = max_chars
         self.seen = set(done_ids)
+        # After a corpus change: committed id -> source_hash of the row it was made from.
+        self.committed = committed
+        self.changed: list[dict] = []
+        self.still_there: set = set()
 
     def admit(self, row: Union[Row, BadRow]) -> Union[Row, dict, None]:
         """The row to synthesise, a failure record for it, or None when it is already done."""
         if row.index in self.failed_rows or (row.id is not None and row.id in self.done_ids):
+            if self.committed is not None and row.id in self.committed and row.id not in self.still_there:
+                self.still_there.add(row.id)
+                old = self.committed[row.id]
+                if old is not None and (isinstance(row, BadRow) or old != source_hash(row)):
+                    self.changed.append({"id": row.id, "row": row.index, "change": "changed",
+                                         "detail": "the row's text, voice or prompt differs from the committed "
+                                                   "audio's; the committed audio was kept"})
             return None
         if isinstance(row, BadRow):
             if row.id is not None:
@@ -264,6 +304,9 @@ def run(cfg: RunConfig) -> RunResult:
         cfg.out.mkdir(parents=True, exist_ok=True)
         out.lock()
     except OSError as exc:
+        out.unlock()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk is resumable, whenever it strikes
+            raise _output_error(cfg, exc) from None
         raise UsageError(f"cannot use {cfg.out} as the output folder ({exc.strerror or exc}); "
                          "choose a writable --out") from None
     try:
@@ -314,6 +357,11 @@ def check(cfg: RunConfig) -> dict:
     return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows}, "voice": voice}
 
 
+def _corpus_diff(was: dict, now: dict) -> list[str]:
+    return [f"{k} was {was.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(was) | set(now))
+            if was.get(k) != now.get(k)]
+
+
 def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
     return OutputError(
         f"writing to {cfg.out} failed ({exc.strerror or exc}); everything committed before is "
@@ -335,6 +383,9 @@ class _Job:
         self._metrics_failed = False
         self._metrics_written = 0.0
         self.too_many_failures = False
+        self.corpus_error: Optional[CorpusError] = None
+        self.read_whole_corpus = False
+        self.repairs: list[str] = []
 
     def run(self) -> RunResult:
         """Signals and --max-runtime turn into a clean stop from the very start, model load included."""
@@ -375,12 +426,27 @@ class _Job:
         self.guard = BudgetGuard(self.batch_budget)
         self.default_engine = default
 
-        resuming = self.out.check_or_start(self._fingerprint(corpus, default), cfg.restart)
-        state = self.out.resume_state()
+        fingerprint = self._fingerprint(corpus, default)
+        self._adopt_legacy_corpus_fingerprint(corpus, fingerprint)
+        was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
+        self.journal = Journal(self.out.journal_path)
+        self.repairs = repair(self.out, self.journal)
+        ledger = Ledger.replay(self.out.journal_path)
+        if was and ledger.failures:  # rows that failed in the old corpus may be good in the new one
+            log.warning("the corpus changed: the %d earlier failures are tried again", ledger.failures)
+            self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
+            ledger = Ledger.replay(self.out.journal_path)
+        state = self.out.resume_state(ledger)
         self.stats.previous_items_done = state.items
         self.stats.previous_items_failed = state.failures
         self.stats.previous_audio_s = state.audio_s
-        if resuming:
+        self.committed_sources = None
+        if was:  # the corpus changed and --allow-corpus-change accepts it: compare the committed rows
+            self.committed_sources = {item["id"]: item.get("source") for item in self.out.live_items(ledger)}
+            log.warning("the corpus changed since this job started (%s); committed ids are kept, new ids are "
+                        "synthesised, and committed rows that changed are listed in %s",
+                        "; ".join(_corpus_diff(was, corpus.fingerprint())), CORPUS_CHANGES_FILE)
+        if was is not None:
             log.info("resuming %s: %d items done, %d failed before", cfg.out, state.items, state.failures)
 
         total = corpus.num_rows
@@ -393,7 +459,6 @@ class _Job:
             "total_rows": total, "total_is_estimate": cfg.shard_count is not None,
             "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count]}))
         self.progress = Progress(total, state.items + state.failures, cfg.progress, cfg.log_every)
-        self.journal = Journal(self.out.journal_path)
         self.shard = ShardWriter(cfg.out, state.open_shard, state.open_offset, state.open_items) \
             if state.open_shard is not None else None
         self.next_shard = state.next_shard
@@ -446,11 +511,22 @@ class _Job:
             "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
         }
 
+    def _adopt_legacy_corpus_fingerprint(self, corpus: Corpus, fingerprint: dict) -> None:
+        """Jobs started before the fingerprint covered the whole corpus recorded a hash of its
+        first and last MiB. When that still matches, the file is taken as the same one and the
+        record gets the whole-file hash, so an upgrade needs no --allow-corpus-change."""
+        recorded = self.out.recorded() if not self.cfg.restart else None
+        old = (recorded or {}).get("fingerprint", {}).get("corpus") or {}
+        if "sha256_head_tail" in old and old == {"name": corpus.path.name, **file_fingerprint(corpus.path)}:
+            recorded["fingerprint"]["corpus"] = fingerprint["corpus"]
+            write_atomic(self.out.job_file, json_bytes(recorded))
+            log.info("%s: the corpus fingerprint now covers the whole file", self.cfg.out)
+
     # -- main thread: read, prepare, plan ----------------------------------------------------
     def _produce(self, corpus: Corpus, done_ids: set, failed_rows: set, work: queue.Queue,
                  results: queue.Queue) -> None:
         cfg = self.cfg
-        gate = RowGate(done_ids, failed_rows, cfg.max_chars)
+        gate = self.gate = RowGate(done_ids, failed_rows, cfg.max_chars, self.committed_sources)
         window_rows = FIRST_WINDOW_ROWS
         units: list[Unit] = []
         failures: list[dict] = []
@@ -462,10 +538,15 @@ class _Job:
         read_all = False
         while not self.stop.is_set():
             t = time.monotonic()
-            row = next(it, None)
+            try:
+                row = next(it, None)
+            except CorpusError as exc:  # raised after every readable row was yielded
+                self.corpus_error = exc
+                row = None
             read_s += time.monotonic() - t
             if row is None or (cfg.limit is not None and row.index >= cfg.limit):
                 read_all = True
+                self.read_whole_corpus = row is None
                 break
             if cfg.shard_count is not None and shard_of(row.id if row.id is not None else f"#row{row.index}",
                                                         cfg.shard_count) != cfg.shard_index:
@@ -658,7 +739,7 @@ class _Job:
         return restore
 
     # -- the end -----------------------------------------------------------------------------
-    def _snapshot(self, status: str) -> dict:
+    def _snapshot(self, status: str, **extra) -> dict:
         from .gpu import memory_stats
 
         engine = self.default_engine
@@ -670,6 +751,7 @@ class _Job:
             cold_start_seconds=round(self.stats.stage_s["load"], 3),
             memory_pool=getattr(engine, "pool_info", None),
             shard=None if self.cfg.shard_count is None else [self.cfg.shard_index, self.cfg.shard_count],
+            **extra,
         )
 
     def _metrics_registry(self, snapshot: dict):
@@ -687,7 +769,7 @@ class _Job:
         self._metrics_written = time.monotonic()
         try:
             write_textfile(self.cfg.metrics_file, self._metrics_registry(snapshot))
-        except OSError as exc:  # monitoring must never stop the audio
+        except Exception as exc:  # monitoring must never stop the audio
             if not self._metrics_failed:
                 log.error("cannot write --metrics-file %s: %s", self.cfg.metrics_file, exc)
             self._metrics_failed = True
@@ -707,15 +789,24 @@ class _Job:
             self.shard.abandon()
         self.journal.close()
         self.out.write_failures()
+        problems: list[str] = []
+        changes = None
         if not interrupted:
-            self.out.write_manifest()
-        status = "too_many_failures" if self.too_many_failures else "interrupted" if interrupted else "complete"
+            ledger = Ledger.replay(self.out.journal_path)
+            self.out.write_manifest(ledger)
+            problems = check_sizes(self.out, ledger)  # never report "complete" over a damaged folder
+            changes = self._write_corpus_changes()
+        status = ("too_many_failures" if self.too_many_failures else "interrupted" if interrupted
+                  else "damaged" if problems else "corpus_error" if self.corpus_error else "complete")
         if status == "complete" and self.cfg.export:
             from .exports import export
 
             for fmt in self.cfg.export:
                 export(self.cfg.out, fmt, require_complete=False)
-        stats = self._snapshot(status)
+        extra = {"repairs": self.repairs, "problems": problems}
+        if changes is not None:
+            extra["corpus_changes"] = changes
+        stats = self._snapshot(status, **extra)
         write_atomic(self.cfg.out / STATS_FILE, json_bytes(stats))
         if self.cfg.metrics_file is not None:
             self._write_metrics(stats)
@@ -725,12 +816,36 @@ class _Job:
             try:
                 push(self.cfg.pushgateway, self._metrics_registry(stats), job="cosybatch",
                      grouping={"instance": self.cfg.out.name})
-            except OSError as exc:  # the audio is safe; a monitoring outage must not fail the job
-                log.error("could not push metrics to %s: %s", self.cfg.pushgateway, exc)
+            except Exception as exc:  # the audio is safe; no monitoring problem may fail the job
+                log.warning("could not push metrics to %s: %s", self.cfg.pushgateway, exc)
         if self.too_many_failures:
             return RunResult(status, EXIT_TOO_MANY_FAILURES, stats)
         if interrupted:
             log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
                         self.interrupted_by or "a stop request")
             return RunResult(status, EXIT_INTERRUPTED, stats)
+        if problems:
+            for problem in problems:
+                log.error("%s: %s", self.cfg.out, problem)
+            log.error("the output folder changed under the run; rerun the same command to repair it")
+            return RunResult(status, EXIT_INTERRUPTED, stats)
+        if self.corpus_error is not None:
+            raise CorpusError(f"{self.corpus_error} Every readable row was processed and committed; fix the "
+                              "file, then rerun with --allow-corpus-change to synthesise the rest.")
         return RunResult(status, EXIT_OK, stats)
+
+    def _write_corpus_changes(self) -> Optional[dict]:
+        """After --allow-corpus-change: list the committed ids whose row changed or is gone."""
+        if self.committed_sources is None:
+            return None
+        changes = list(self.gate.changed)
+        if self.read_whole_corpus and self.cfg.limit is None:
+            changes += [{"id": i, "row": None, "change": "removed",
+                         "detail": "not in the corpus any more; its committed audio was kept"}
+                        for i in self.committed_sources if i not in self.gate.still_there]
+        write_atomic(self.cfg.out / CORPUS_CHANGES_FILE, jsonl_bytes(changes))
+        counts = {kind: sum(1 for c in changes if c["change"] == kind) for kind in ("changed", "removed")}
+        if changes:
+            log.warning("%d committed ids changed and %d are no longer in the corpus; see %s", counts["changed"],
+                        counts["removed"], self.cfg.out / CORPUS_CHANGES_FILE)
+        return counts

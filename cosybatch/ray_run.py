@@ -184,7 +184,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
     defaults = RunConfig(corpus=cfg.corpus, out=cfg.out)
     unsupported = [name for name in ("metrics_file", "pushgateway", "max_runtime", "shard_max_items",
-                                     "shard_max_bytes", "workers", "window")
+                                     "shard_max_bytes", "workers", "window", "allow_corpus_change")
                    if getattr(cfg, name) != getattr(defaults, name)]
     if unsupported:
         raise UsageError(f"ray-run does not support {', '.join(unsupported)}: Ray's dashboard and job timeouts "

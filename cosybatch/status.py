@@ -68,6 +68,10 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
                 commits.append((rec["ts"], len(rec["items"])))
         elif rec.get("t") == "failed":
             failed += len(rec["items"])
+        elif rec.get("t") == "retry_failures":
+            failed = 0
+        elif rec.get("t") == "lost":  # a repair found these gone; the run synthesises them again
+            done -= len(rec["ids"])
     if (state / RAY_FAILURES_DIR).is_dir():
         done, failed = _ray_counts(folder)
     try:
@@ -84,6 +88,14 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         status = "stopped"  # killed or crashed: rerun the same command to resume
     else:
         status = "not started"
+    problems: list[str] = []
+    if status == "complete" and not (state / RAY_FAILURES_DIR).is_dir():
+        from .checkpoint import OutputDir
+        from .repair import check_sizes
+
+        problems = check_sizes(OutputDir(folder))  # sizes and counts only: cheap
+        if problems:
+            status = "damaged"  # rerun the same command to repair; `cosybatch verify` reads it all
     rate = None
     if running and commits:
         since = max(now - RATE_WINDOW_S, run.get("started", now))
@@ -96,7 +108,8 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
     return {"folder": str(folder), "status": status, "done": done, "failed": failed, "total": total,
             "total_is_estimate": bool(run.get("total_is_estimate")), "items_per_second": rate,
             "eta_seconds": eta, "pid": int(pid_text) if running and pid_text.isdigit() else None,
-            "audio_seconds": stats.get("job_totals", {}).get("audio_seconds") if stats and not running else None}
+            "audio_seconds": stats.get("job_totals", {}).get("audio_seconds") if stats and not running else None,
+            "problems": problems}
 
 
 def job_status(root: Path) -> dict:
@@ -121,7 +134,9 @@ def job_status(root: Path) -> dict:
     return {"root": str(root), "status": status, "done": done, "failed": failed, "total": total,
             "total_is_estimate": any(p["total_is_estimate"] for p in parts), "items_per_second": rate,
             "eta_seconds": max(total - done - failed, 0) / rate if rate and total is not None else None,
-            "parts": parts if len(parts) > 1 or missing else [], "missing_parts": missing}
+            "parts": parts if len(parts) > 1 or missing else [], "missing_parts": missing,
+            "problems": [(f"{Path(p['folder']).name}: " if len(parts) > 1 else "") + problem
+                         for p in parts for problem in p["problems"]]}
 
 
 def describe(status: dict) -> str:
@@ -135,6 +150,10 @@ def describe(status: dict) -> str:
     lines = [line]
     for p in status["parts"]:
         lines.append(f"  {Path(p['folder']).name}: {p['status']}, {p['done']} done, {p['failed']} failed")
+    for p in status["problems"]:
+        lines.append(f"  {p}")
+    if status["problems"]:
+        lines.append("  rerun the same `cosybatch run` command to repair the folder")
     if status["missing_parts"]:
         lines.append(f"  parts not started: {status['missing_parts']}")
     return "\n".join(lines)

@@ -151,20 +151,3 @@ def test_duplicate_failure_never_hides_the_first_row(tmp_path):
     assert set(items) == {"x", "y"} and items["x"]["meta"]["text"] == "First."
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
     assert [(f["id"], f["row"], f["reason"]) for f in failures] == [("x", 2, DUPLICATE_ID)]
-
-
-def test_a_missing_partial_shard_is_an_error_not_silent_loss(tmp_path):
-    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(6))
-    out = tmp_path / "out"
-    proc = start(corpus, out)
-    wait_for_items(out, proc, 1)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    partials = list(out.glob("*.partial"))
-    if not partials:
-        pytest.skip("the run closed its shard before the kill")
-    partials[0].unlink()
-    from cosybatch.errors import OutputError
-
-    with pytest.raises(OutputError, match="is missing but the journal has"):
-        run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))

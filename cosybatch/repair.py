@@ -1,0 +1,243 @@
+"""What a rerun checks before it resumes, and how it repairs an output folder that was damaged.
+
+The journal says which ids are committed in which shard and how many bytes of members each shard
+holds. Before a run goes on, the files must agree with it:
+
+- a shard the journal counts on is missing: its ids are recorded as lost and synthesised again;
+- a shard is shorter than the journal says (truncated): every item whose members are still whole
+  is kept, the rest are recorded as lost and synthesised again, and a finished shard gets its
+  end-of-archive blocks back;
+- a finished shard holds items the journal does not know (the journal lost its last lines, or
+  was cut at a damaged line): they are recorded again from the shard's own `KEY.json`, so audio
+  that exists is never synthesised a second time.
+
+Each repair is one journal record written before the file is touched (`lost`, or `items` marked
+`recovered`), so a crash in the middle of a repair leaves a folder the next rerun repairs the same
+way. Only bytes that were fsynced are ever recovered: a finished shard is fsynced before it gets
+its final name, and an open shard's committed members before their journal line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint import DAMAGED_DIR, EOA_BYTES, MANIFEST_FILE, STATE_DIR, Journal, Ledger, OutputDir, shard_indices
+from .shards import TAR_BLOCK, fsync_dir, item_key, shard_name
+
+log = logging.getLogger("cosybatch")
+
+
+def repair(out: OutputDir, journal: Journal) -> list[str]:
+    """Make the shards and the journal agree; returns one line per repair (none when all is well)."""
+    notes = [f"{journal.dropped}; what finished shards still hold is recovered below"] if journal.dropped else []
+    ledger = Ledger.replay(out.journal_path)
+    for index in sorted(set(ledger.shards) | set(shard_indices(out.root))):
+        shard = ledger.shards.get(index)
+        final = out.root / shard_name(index)
+        partial = final.with_name(final.name + ".partial")
+        if final.exists():
+            note = _check_finished(out, journal, ledger, index, final)
+        elif shard is not None and ledger.items_in(index):
+            if not shard.closed and partial.exists():
+                note = _check_open(out, journal, ledger, index, partial)
+            else:
+                missing = final if shard.closed else partial
+                note = _lose(journal, ledger, index, out, size=0, why=f"{missing.name} is missing")
+        else:
+            note = None
+        if note:
+            log.warning("repaired %s: %s", out.root, note)
+            notes.append(note)
+            ledger = Ledger.replay(out.journal_path)
+    return notes
+
+
+def _check_finished(out: OutputDir, journal: Journal, ledger: Ledger, index: int, final: Path) -> Optional[str]:
+    shard = ledger.shards.get(index)
+    size = final.stat().st_size
+    expected = (shard.end if shard else 0) + EOA_BYTES
+    if shard is not None and size == expected:
+        if not shard.closed:  # killed between the rename and its journal line: the shard is whole
+            journal.append({"t": "closed", "shard": index, "items": ledger.items_in(index)})
+        return None
+    # The journal and the file disagree: keep what is whole in the file, record it, cut the rest.
+    base, beyond = _boundary(out, ledger, index, size)
+    recovered, new_end = _scan_items(final, base, size, lambda i: i in ledger.live and i not in beyond)
+    _record(journal, index, base, beyond, recovered, new_end, why=f"{final.name} did not match the journal")
+    if new_end == 0:
+        aside = out.state / DAMAGED_DIR / f"{final.name}.{int(time.time())}"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(final, aside)
+        fsync_dir(out.root)
+    else:
+        with open(final, "r+b") as f:
+            f.truncate(new_end)
+            f.seek(new_end)
+            f.write(b"\0" * EOA_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    if shard is not None or new_end:
+        journal.append({"t": "closed", "shard": index, "items": len(recovered) + _kept(ledger, index, beyond)})
+    kept = {r["id"] for r in recovered}
+    lost = [i for i in beyond if i not in kept]
+    what = [f"{len(recovered)} whole items in it that the journal did not list were recorded from their "
+            "KEY.json"] if recovered else []
+    if lost:
+        what.append(f"{len(lost)} items no longer in it will be synthesised again ({_some(lost)})")
+    if new_end == 0:
+        what.append(f"nothing in it was usable: it was moved to {STATE_DIR}/{DAMAGED_DIR}/{aside.name}")
+    elif new_end + EOA_BYTES != size:
+        what.append(f"it now ends after its last whole item ({new_end + EOA_BYTES} B)")
+    return f"{final.name} was {size} B where the journal expects {expected} B: " + "; ".join(what)
+
+
+def _check_open(out: OutputDir, journal: Journal, ledger: Ledger, index: int, partial: Path) -> Optional[str]:
+    size = partial.stat().st_size
+    shard = ledger.shards[index]
+    if size >= shard.end:
+        return None  # whatever lies past the committed end was never committed; it is cut on resume
+    return _lose(journal, ledger, index, out, size, why=f"{partial.name} is {size} B, shorter than its "
+                 f"committed {shard.end} B", path=partial)
+
+
+def _lose(journal: Journal, ledger: Ledger, index: int, out: OutputDir, size: int, why: str,
+          path: Optional[Path] = None) -> str:
+    """The shard holds only its first `size` bytes: keep the whole items in them, lose the rest."""
+    base, beyond = _boundary(out, ledger, index, size)
+    recovered: list = []
+    new_end = base
+    if path is not None:
+        recovered, new_end = _scan_items(path, base, size, lambda i: i in ledger.live and i not in beyond)
+    _record(journal, index, base, beyond, recovered, new_end, why)
+    kept = {r["id"] for r in recovered}
+    lost = [i for i in beyond if i not in kept]
+    note = f"{why}: {len(lost)} items will be synthesised again ({_some(lost)})"
+    return note + (f"; {len(kept)} whole items in it were kept" if kept else "")
+
+
+def _record(journal: Journal, index: int, base: int, beyond: list, recovered: list, new_end: int, why: str) -> None:
+    if beyond:
+        journal.append({"t": "lost", "ts": round(time.time(), 3), "shard": index, "end": base, "ids": beyond,
+                        "reason": why})
+    if recovered:
+        journal.append({"t": "items", "ts": round(time.time(), 3), "shard": index, "end": new_end,
+                        "items": recovered, "recovered": True})
+
+
+def _kept(ledger: Ledger, index: int, beyond: list) -> int:
+    gone = set(beyond)
+    return sum(1 for i, (_, s, _) in ledger.live.items() if s == index and i not in gone)
+
+
+def _some(ids: list, n: int = 3) -> str:
+    shown = ", ".join(repr(i) for i in ids[:n])
+    return shown + (f" and {len(ids) - n} more" if len(ids) > n else "")
+
+
+def _boundary(out: OutputDir, ledger: Ledger, index: int, size: int) -> tuple[int, list]:
+    """(end of the last committed batch of this shard that fits in `size` bytes, the live ids of
+    the batches after it)."""
+    batches: list[tuple[int, int, list]] = []  # (end, journal line, ids), in file order
+    for line, rec in enumerate(Journal.read(out.journal_path)):
+        if rec.get("shard") != index:
+            continue
+        if rec.get("t") == "items":
+            batches.append((rec["end"], line, [item["id"] for item in rec["items"]]))
+        elif rec.get("t") == "lost":
+            batches = [b for b in batches if b[0] <= rec["end"]]
+    base, beyond = 0, []
+    for end, line, ids in batches:
+        if end <= size:
+            base = max(base, end)
+        else:
+            beyond += [i for i in ids if ledger.live.get(i, (None,))[0] == line]
+    return base, beyond
+
+
+def _scan_items(path: Path, start: int, limit: int, taken: Callable[[str], bool]) -> tuple[list[dict], int]:
+    """Whole items (KEY.wav then KEY.json, as ShardWriter writes them) from byte `start` up to
+    `limit`, as journal item records, and the offset after the last one. Stops at the first thing
+    that is not a whole cosybatch item: a torn or foreign member, end-of-archive, or an id already
+    committed elsewhere (`taken`)."""
+    records: list[dict] = []
+    end = pos = start
+    pending: dict[str, dict[str, tuple[int, int]]] = {}
+    with open(path, "rb") as f:
+        while pos + TAR_BLOCK <= limit:
+            f.seek(pos)
+            block = f.read(TAR_BLOCK)
+            try:
+                info = tarfile.TarInfo.frombuf(block, "utf-8", "strict")
+            except (tarfile.HeaderError, ValueError):
+                break  # end-of-archive zeros or a damaged header
+            data_at = pos + TAR_BLOCK
+            pos = data_at + -(-info.size // TAR_BLOCK) * TAR_BLOCK
+            if not info.isfile() or pos > limit:
+                break
+            key, _, ext = info.name.partition(".")
+            if pending and key not in pending:
+                break  # a member of another item before this one was whole
+            members = pending.setdefault(key, {})
+            members[ext] = (data_at, info.size)
+            if "wav" not in members or "json" not in members:
+                continue
+            f.seek(members["json"][0])
+            record = _item_record(key, f.read(members["json"][1]), members["wav"][1])
+            if record is None or taken(record["id"]) or any(r["id"] == record["id"] for r in records):
+                break
+            records.append(record)
+            end = pos
+            pending = {}
+    return records, end
+
+
+def _item_record(key: str, meta_bytes: bytes, wav_size: int) -> Optional[dict]:
+    """A journal item record from an item's KEY.json, or None when it is not one of ours."""
+    try:
+        meta = json.loads(meta_bytes)
+        record = {"id": meta["id"], "key": key, "row": int(meta["row"]), "text": meta["text"],
+                  "voice": meta["voice"], "duration_s": float(meta["duration"]),
+                  "num_samples": int(meta["num_samples"]), "sample_rate": int(meta["sample_rate"])}
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(record["id"], str) or item_key(record["id"]) != key or wav_size < 44 + 2 * record["num_samples"]:
+        return None
+    return record
+
+
+def check_sizes(out: OutputDir, ledger: Optional[Ledger] = None) -> list[str]:
+    """The cheap part of `cosybatch verify` for a finished job: every shard the journal counts on
+    exists with exactly the length the journal says, no shard is left open or unknown, and the
+    manifest lists every committed item once. Reads file sizes and the manifest's metadata only."""
+    ledger = ledger or Ledger.replay(out.journal_path)
+    problems = []
+    on_disk = shard_indices(out.root)
+    for index, shard in sorted(ledger.shards.items()):
+        final = out.root / shard_name(index)
+        items = ledger.items_in(index)
+        if not shard.closed and (items or shard.end):
+            problems.append(f"{final.name} was never finished ({items} items committed to its .partial)")
+        elif not final.exists():
+            if items or shard.end:
+                problems.append(f"{final.name} is missing; the journal has {items} items in it")
+        elif final.stat().st_size != shard.end + EOA_BYTES:
+            problems.append(f"{final.name} is {final.stat().st_size} B; the journal says {shard.end + EOA_BYTES} B")
+    problems += [f"{path.name} is not in the journal" for index, path in sorted(on_disk.items())
+                 if index not in ledger.shards]
+    manifest = out.root / MANIFEST_FILE
+    if manifest.exists():
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(manifest).metadata.num_rows
+        if rows != len(ledger.live):
+            problems.append(f"{MANIFEST_FILE} lists {rows} items; the journal has {len(ledger.live)}")
+    else:
+        problems.append(f"{MANIFEST_FILE} is missing")
+    return problems

@@ -1,0 +1,136 @@
+"""`cosybatch verify OUT`: read every shard whole and check it against the manifest.
+
+Every id in the manifest must be in exactly one readable `KEY.wav` + `KEY.json` pair, in the shard
+the manifest names, with a WAV that decodes to the manifest's sample count and rate and a
+`KEY.json` naming the same id; every item in a shard must be in the manifest. `run` does the cheap
+part of this (file sizes and counts, `repair.check_sizes`) before it reports complete; this reads
+every byte, so it also finds damage that keeps a file's size, such as a flipped block.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+from .checkpoint import MANIFEST_FILE
+from .distributed import output_dirs
+from .errors import UsageError
+
+
+def verify(root: Path) -> dict:
+    """{"ok", "items", "shards", "problems"} for a job folder or a sharded job's root."""
+    folders = output_dirs(Path(root))
+    if not folders:
+        raise UsageError(f"{root} holds no cosybatch job (no .cosybatch folder, no part-* folders)")
+    problems: list[str] = []
+    items = shards = 0
+    for folder in folders:
+        prefix = "" if folder == Path(root) else f"{folder.name}/"
+        found, folder_problems, count = _verify_folder(folder)
+        problems += [prefix + p for p in folder_problems]
+        items += found
+        shards += count
+    return {"root": str(root), "ok": not problems, "items": items, "shards": shards, "problems": problems}
+
+
+def _verify_folder(folder: Path) -> tuple[int, list[str], int]:
+    import pyarrow.parquet as pq
+
+    problems: list[str] = []
+    manifest = folder / MANIFEST_FILE
+    if not manifest.exists():
+        return 0, [f"no {MANIFEST_FILE}: the run has not finished; rerun it to finish"], 0
+    expected: dict[tuple[str, str], dict] = {}  # (shard, key) -> manifest row
+    ids: set[str] = set()
+    for row in pq.read_table(manifest).to_pylist():
+        if row["id"] in ids:
+            problems.append(f"{MANIFEST_FILE} lists id {row['id']!r} twice")
+        ids.add(row["id"])
+        if (row["shard"], row["key"]) in expected:
+            problems.append(f"{MANIFEST_FILE} lists key {row['key']!r} twice in {row['shard']}")
+        expected[(row["shard"], row["key"])] = row
+    on_disk = sorted(folder.glob("shard-*.tar"))
+    for name in sorted({shard for shard, _ in expected} - {p.name for p in on_disk}):
+        count = sum(1 for shard, _ in expected if shard == name)
+        problems.append(f"{name} is missing ({count} items of the manifest are in it)")
+    found = 0
+    for path in on_disk:
+        for _key, problem in _check_shard(path, expected):
+            if problem is None:
+                found += 1
+            else:
+                problems.append(f"{path.name}: {problem}")
+    missing = [row for (shard, _), row in expected.items() if not row.get("_seen") and (folder / shard).exists()]
+    problems += [f"{row['shard']}: id {row['id']!r} (key {row['key']!r}) is in the manifest but not in the shard"
+                 for row in missing]
+    return found, problems, len(on_disk)
+
+
+def _check_shard(path: Path, expected: dict):
+    """Yield (key, None) for each good item and (key, problem) for each problem of one shard."""
+    import soundfile
+
+    pending: dict[str, dict[str, bytes]] = {}
+    names: set[str] = set()
+    try:
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if member.name in names:
+                    yield member.name, f"member {member.name} appears twice"
+                    continue
+                names.add(member.name)
+                key, _, ext = member.name.partition(".")
+                if not member.isfile() or ext not in ("wav", "json"):
+                    yield key, f"unexpected member {member.name!r}"
+                    continue
+                pending.setdefault(key, {})[ext] = tar.extractfile(member).read()
+                entry = pending[key]
+                if "wav" not in entry or "json" not in entry:
+                    continue
+                del pending[key]
+                yield key, _check_item(path.name, key, entry, expected, soundfile)
+            end = tar.offset
+        # tarfile stops quietly at a damaged header: what follows the archive's end must be zeros.
+        with open(path, "rb") as f:
+            f.seek(end)
+            while chunk := f.read(1 << 20):
+                if chunk.strip(b"\0"):
+                    raise tarfile.ReadError(f"a damaged member header at byte {end} hides the rest")
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        yield "", f"unreadable past its last whole member ({exc}); delete the shard and rerun the job to " \
+                  "synthesise its items again"
+    for key, entry in pending.items():
+        yield key, f"{key} has only its .{next(iter(entry))} member"
+
+
+def _check_item(shard: str, key: str, entry: dict, expected: dict, soundfile) -> str | None:
+    row = expected.get((shard, key))
+    if row is None:
+        return f"{key} is not in the manifest"
+    row["_seen"] = True
+    try:
+        meta = json.loads(entry["json"])
+    except ValueError:
+        return f"{key}.json is not valid JSON"
+    if meta.get("id") != row["id"]:
+        return f"{key}.json names id {meta.get('id')!r}; the manifest says {row['id']!r}"
+    try:
+        info = soundfile.info(io.BytesIO(entry["wav"]))
+    except Exception as exc:  # soundfile raises its own error types for undecodable audio
+        return f"{key}.wav does not decode ({exc})"
+    if info.frames != row["num_samples"] or info.samplerate != row["sample_rate"]:
+        return (f"{key}.wav has {info.frames} samples at {info.samplerate} Hz; the manifest says "
+                f"{row['num_samples']} at {row['sample_rate']} Hz")
+    if abs(float(meta.get("duration", -1)) - row["duration_s"]) > 1e-6:
+        return f"{key}.json says {meta.get('duration')} s; the manifest says {row['duration_s']} s"
+    return None
+
+
+def describe(result: dict) -> str:
+    if result["ok"]:
+        return f"{result['root']}: ok, {result['items']} items in {result['shards']} shards, all read whole"
+    lines = [f"{result['root']}: {len(result['problems'])} problems ({result['items']} good items "
+             f"in {result['shards']} shards)"]
+    return "\n".join(lines + [f"  {p}" for p in result["problems"]])
