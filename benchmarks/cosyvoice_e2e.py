@@ -29,7 +29,7 @@ import upstream  # noqa: E402
 
 from cosybatch.cosyvoice.tiny import write_model_dir  # noqa: E402
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine  # noqa: E402
-from cosybatch.engines.cosyvoice import Segment  # noqa: E402
+from cosybatch.engines.cosyvoice import CosyVoiceOptions, Segment  # noqa: E402
 from cosybatch.plan import Unit  # noqa: E402
 
 
@@ -102,8 +102,8 @@ def main() -> None:
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", size=args.size)
-        engine = open_engine("cosyvoice", None, EngineOptions(device=args.device, threads=1, extra={
-            "model": model_dir, "speaker": "alice"}))
+        engine = open_engine("cosyvoice", None, EngineOptions(device=args.device, threads=1, engine=CosyVoiceOptions(
+            model=model_dir, speaker="alice")))
         with torch.no_grad():
             engine.lm.llm_decoder.bias[6561:] = -1e4  # fixed work: no stop token, 20 tokens per text token
         up_lm = upstream_lm(model_dir, engine.lm.config.hidden_size, args.device)

@@ -165,9 +165,13 @@ def child(config_path: Path) -> None:
         return int(total - free)
 
     def load():
-        from cosybatch.engines import EngineOptions, open_engine
+        from pathlib import Path
 
-        options = EngineOptions(device=cfg["device"], extra={"model": cfg["model_dir"], "speaker": "alice"})
+        from cosybatch.engines import EngineOptions, open_engine
+        from cosybatch.engines.cosyvoice import CosyVoiceOptions
+
+        options = EngineOptions(device=cfg["device"],
+                                engine=CosyVoiceOptions(model=Path(cfg["model_dir"]), speaker="alice"))
         engine = open_engine("cosyvoice", None, options)
         with torch.no_grad():
             engine.lm.llm_decoder.bias[STOP_TOKEN:] = -1e4  # fixed work: 20 speech tokens per text token

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from .config import RunConfig
+from .engines import DEFAULT_ENGINE
 from .errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
@@ -45,8 +46,11 @@ def _root(
         raise typer.Exit(0)
 
 
-PATH_OPTIONS = ("corpus", "out", "voice_dir", "metrics_file", "model", "prompt_wav", "prompt_dir")
 NOT_IN_SPECS = ("ctx", "job", "check")
+# Flags kept from before --engine-opt: each sets the engine option of the same name (after
+# --engine-opt, which they override); an engine without that option refuses it, naming the key.
+ENGINE_OPTION_ALIASES = ("voice_dir", "speaker", "model", "prompt_wav", "prompt_text", "prompt_dir", "precision",
+                         "noise_scale", "length_scale", "noise_w")
 
 
 @app.command(epilog=EXIT_CODES_HELP)
@@ -60,15 +64,23 @@ def run(
     id_col: Optional[str] = typer.Option(None, help=D["id_col"]),
     text_col: str = typer.Option("text", help=D["text_col"]),
     voice_col: Optional[str] = typer.Option(None, help=D["voice_col"]),
-    engine: str = typer.Option("piper", help=D["engine"]),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=D["engine"]),
     voice: Optional[str] = typer.Option(None, help=D["voice"]),
-    voice_dir: Optional[Path] = typer.Option(None, help=D["voice_dir"]),
-    speaker: Optional[str] = typer.Option(None, help=D["speaker"]),
-    model: Optional[Path] = typer.Option(None, help=D["model"]),
-    prompt_wav: Optional[Path] = typer.Option(None, help=D["prompt_wav"]),
-    prompt_text: Optional[str] = typer.Option(None, help=D["prompt_text"]),
-    prompt_dir: Optional[Path] = typer.Option(None, help=D["prompt_dir"]),
-    precision: str = typer.Option("fp32", help=D["precision"]),
+    engine_opt: Optional[list[str]] = typer.Option(None, "--engine-opt", help="An engine setting KEY=VALUE "
+                                                   "(repeatable); `[engine_options]` in a job spec."),
+    voice_dir: Optional[Path] = typer.Option(None, help="Alias of --engine-opt voice_dir=DIR: voices "
+                                             "NAME.onnx + NAME.onnx.json that corpus rows may name."),
+    speaker: Optional[str] = typer.Option(None, help="Alias of --engine-opt speaker=NAME: a speaker of a "
+                                          "multi-speaker voice."),
+    model: Optional[Path] = typer.Option(None, help="Alias of --engine-opt model=DIR: the model "
+                                         "folder as downloaded."),
+    prompt_wav: Optional[Path] = typer.Option(None, help="Alias of --engine-opt prompt_wav=PATH: "
+                                              "default zero-shot prompt audio."),
+    prompt_text: Optional[str] = typer.Option(None, help="Alias of --engine-opt prompt_text=TEXT: "
+                                              "what the prompt audio says."),
+    prompt_dir: Optional[Path] = typer.Option(None, help="Alias of --engine-opt prompt_dir=DIR: a "
+                                              "folder rows' prompt_wav paths may point into."),
+    precision: Optional[str] = typer.Option(None, help="Alias of --engine-opt precision=fp32|bf16|fp16."),
     memory_fraction: float = typer.Option(0.9, help=D["memory_fraction"]),
     device: str = typer.Option("auto", help=D["device"]),
     batch_size: Optional[int] = typer.Option(None, help=D["batch_size"]),
@@ -77,9 +89,9 @@ def run(
     threads: int = typer.Option(1, help=D["threads"]),
     window: int = typer.Option(20000, help=D["window"]),
     seed: int = typer.Option(0, help=D["seed"]),
-    noise_scale: Optional[float] = typer.Option(None, help=D["noise_scale"]),
-    length_scale: Optional[float] = typer.Option(None, help=D["length_scale"]),
-    noise_w: Optional[float] = typer.Option(None, help=D["noise_w"]),
+    noise_scale: Optional[float] = typer.Option(None, help="Alias of --engine-opt noise_scale=X."),
+    length_scale: Optional[float] = typer.Option(None, help="Alias of --engine-opt length_scale=X."),
+    noise_w: Optional[float] = typer.Option(None, help="Alias of --engine-opt noise_w=X."),
     sentence_silence: float = typer.Option(0.0, help=D["sentence_silence"]),
     normalize: bool = typer.Option(True, "--normalize/--no-normalize", help=D["normalize"]),
     shard_max_items: int = typer.Option(1000, help=D["shard_max_items"]),
@@ -145,6 +157,11 @@ def _spec_values(ctx: typer.Context, job: Path) -> dict:
     hints = {k: v for k, v in typing.get_type_hints(run).items() if k not in NOT_IN_SPECS and k != "return"}
     values = {}
     for key, value in load_job_spec(job).items():
+        if key == "engine_options":  # the engine's own table; its keys are checked by the engine
+            if not isinstance(value, dict):
+                raise UsageError(f"--job {job}: engine_options must be a table of KEY = value")
+            values[key] = value
+            continue
         if key not in hints:
             close = difflib.get_close_matches(key, hints, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; options are: {', '.join(sorted(hints))}"
@@ -185,13 +202,23 @@ def _build_config(v: dict) -> RunConfig:
 
     if v["corpus"] is None:
         raise UsageError("no corpus: give CORPUS or `corpus` in the --job spec")
+    options = dict(v.pop("engine_options", None) or {})
+    for item in v.pop("engine_opt", None) or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--engine-opt {item!r}: give KEY=VALUE")
+        options[key.strip()] = value
+    for name in ENGINE_OPTION_ALIASES:
+        value = v.pop(name, None)
+        if value is not None:
+            options[name] = value
     shard_index, shard_count = parse_shard(v.pop("shard"))
     max_runtime = _seconds(v.pop("max_runtime"), "--max-runtime")
     export = tuple(x.strip() for x in (v.pop("export") or "").split(",") if x.strip())
     shard_max_bytes = max(1, int(v.pop("shard_max_mb") * 1024 * 1024))
     out = v.pop("out") or Path("out") / _stem(v["corpus"])
     return RunConfig(**v, out=out, shard_index=shard_index, shard_count=shard_count, max_runtime=max_runtime,
-                     export=export, shard_max_bytes=shard_max_bytes)
+                     export=export, shard_max_bytes=shard_max_bytes, engine_options=options)
 
 
 @app.command("ray-run", epilog=EXIT_CODES_HELP)
@@ -283,6 +310,36 @@ def verify_cmd(
         _fail(str(exc), exc.exit_code)
     print(json.dumps(result) if as_json else describe(result))
     raise typer.Exit(EXIT_OK if result["ok"] else EXIT_BAD_INPUT)
+
+
+@app.command("engines")
+def engines_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    """List the installed engines (built-in and plugins) and the options each takes (--engine-opt)."""
+    import dataclasses
+
+    from .config import field_docs
+    from .engines import engine_class, engine_names
+
+    listing = {}
+    for name in engine_names():
+        try:
+            cls = engine_class(name)
+        except CosybatchError as exc:
+            listing[name] = {"error": str(exc)}
+            continue
+        docs = field_docs(cls.Options) if dataclasses.fields(cls.Options) else {}
+        listing[name] = {"class": f"{cls.__module__}.{cls.__qualname__}", "multi_voice": cls.multi_voice,
+                         "zero_shot": cls.zero_shot,
+                         "options": {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls.Options)}}
+    if as_json:
+        print(json.dumps(listing))
+        return
+    for name, info in listing.items():
+        print(f"{name}: {info.get('class', info.get('error'))}")
+        for key, doc in info.get("options", {}).items():
+            print(f"  --engine-opt {key}=...  {doc}")
 
 
 @app.command()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .engines import DEFAULT_ENGINE
 from .errors import UsageError
 
 
@@ -31,26 +32,14 @@ class RunConfig:
     """Text column."""
     voice_col: Optional[str] = None
     """Per-row voice column; unset: uses 'voice' when present."""
-    engine: str = "piper"
-    """Engine name."""
+    engine: str = DEFAULT_ENGINE
+    """Engine name: a built-in or an installed plugin (`cosybatch engines` lists them)."""
     voice: Optional[str] = None
-    """Default voice: a name (bundled or in voice_dir) or a path to a Piper .onnx file."""
-    voice_dir: Optional[Path] = None
-    """Folder holding NAME.onnx + NAME.onnx.json voices that corpus rows may name."""
-    speaker: Optional[str] = None
-    """Speaker name or id for multi-speaker voices; CosyVoice: an SFT speaker of spk2info.pt."""
-    model: Optional[Path] = None
-    """CosyVoice: the model folder as downloaded (e.g. pretrained_models/CosyVoice2-0.5B)."""
-    prompt_wav: Optional[Path] = None
-    """CosyVoice: default zero-shot prompt audio (at most 30 s); rows may give their own prompt_wav."""
-    prompt_text: Optional[str] = None
-    """CosyVoice: what prompt_wav says (without it the prompt only sets the voice, as upstream's cross-lingual mode)."""
-    prompt_dir: Optional[Path] = None
-    """CosyVoice: a folder (besides the corpus file's own) that rows' prompt_wav paths may point into."""
-    precision: str = "fp32"
-    """CosyVoice: fp32, or bf16/fp16 autocast for the LM and flow on CUDA."""
+    """Default voice: whatever the engine takes as a voice (a voice name, a model path, a speaker)."""
+    engine_options: dict = field(default_factory=dict)
+    """The engine's own settings, KEY -> value, checked against its options (--engine-opt KEY=VALUE)."""
     memory_fraction: float = 0.9
-    """GPU: share of device memory for the job, in (0, 1]; CosyVoice pre-allocates it, Piper caps onnxruntime to it."""
+    """GPU: share of device memory for the job, in (0, 1]; engines pre-allocate or cap to it."""
     device: str = "auto"
     """auto (CUDA when onnxruntime has it, else CPU), cpu or cuda."""
     batch_size: Optional[int] = None
@@ -65,18 +54,10 @@ class RunConfig:
     """Rows sorted together by length; bounds memory on corpora of any size."""
     seed: int = 0
     """Job seed; each item's noise is seeded from (seed, id), so reruns reproduce audio."""
-    noise_scale: Optional[float] = None
-    """Piper generator noise; unset: the voice's default."""
-    length_scale: Optional[float] = None
-    """Piper speaking-rate factor (>1 is slower); unset: the voice's default."""
-    noise_w: Optional[float] = None
-    """Piper duration noise; unset: the voice's default."""
-    conv2d: Optional[bool] = None
-    """Piper: run 1-D convolutions as 2-D ones (same result, ~1.2x faster on CPU); unset: on for CPU."""
     sentence_silence: float = 0.0
     """Seconds of silence inserted between the sentences of one row."""
     normalize: bool = True
-    """Scale each clip to a full-scale peak (as piper's CLI does)."""
+    """Scale each clip to a full-scale peak."""
     shard_max_items: int = 1000
     """Close a shard after this many items."""
     shard_max_bytes: int = 256 * 1024 * 1024
@@ -122,8 +103,6 @@ class RunConfig:
             raise UsageError(f"--progress must be auto, bar, log or none (got {self.progress!r})")
         if self.sentence_silence < 0:
             raise UsageError("--sentence-silence must be >= 0")
-        if self.length_scale is not None and self.length_scale <= 0:
-            raise UsageError("--length-scale must be > 0")
         self.failure_limit()
         if (self.shard_index is None) != (self.shard_count is None):
             raise UsageError("give both the shard index and the shard count (--shard I/N)")
@@ -138,18 +117,7 @@ class RunConfig:
         from .gpu import validate_fraction
 
         validate_fraction(self.memory_fraction)
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
-        if self.engine == "cosyvoice" and self.model is None:
-            raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
-        if self.engine != "cosyvoice":
-            given = [n for n in ("model", "prompt_wav", "prompt_text", "prompt_dir") if getattr(self, n) is not None]
-            if given:
-                raise UsageError(f"--{given[0].replace('_', '-')} is a CosyVoice option; add --engine cosyvoice")
-        for name in ("noise_scale", "noise_w"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+        self.engine_settings()  # the engine exists and its options are valid
 
     def failure_limit(self) -> tuple[Optional[int], Optional[float]]:
         """(count, rate) from max_failures; at most one is set."""
@@ -169,39 +137,40 @@ class RunConfig:
         except ValueError:
             raise UsageError(f"--max-failures {self.max_failures!r}: give a count (100) or a percentage (2%)") from None
 
-    def engine_extra(self) -> dict:
-        if self.engine == "cosyvoice":
-            return {
-                "model": self.model,
-                "speaker": self.speaker,
-                "prompt_wav": self.prompt_wav,
-                "prompt_text": self.prompt_text,
-                "precision": self.precision,
-                "memory_fraction": self.memory_fraction,
-                "prompt_dir": self.prompt_dir,
-                # Relative prompt_wav paths in rows are read relative to the corpus file's folder.
-                "corpus_dir": Path(self.corpus).resolve().parent,
-            }
-        return {
-            "noise_scale": self.noise_scale,
-            "length_scale": self.length_scale,
-            "noise_w": self.noise_w,
-            "speaker": self.speaker,
-            "voice_dir": self.voice_dir,
-            "memory_fraction": self.memory_fraction,
-            **({} if self.conv2d is None else {"conv2d": self.conv2d}),
-        }
+    def engine_class(self):
+        from .engines import engine_class
+
+        return engine_class(self.engine)
+
+    def engine_settings(self):
+        """The engine's options dataclass, filled from engine_options (errors name the key)."""
+        from .engines import parse_engine_options
+
+        return parse_engine_options(self.engine_class(), self.engine_options)
+
+    def engine_options_for(self, device: Optional[str] = None, allow_paths: bool = True):
+        """What the job hands the engine (EngineOptions), on `device` (default: --device)."""
+        from .engines import EngineOptions
+
+        # Relative paths in rows are read relative to the corpus file's folder.
+        return EngineOptions(device or self.device, self.threads, self.seed, self.memory_fraction,
+                             Path(self.corpus).resolve().parent, allow_paths, self.engine_settings())
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
         """Field name -> docstring, for the CLI help."""
-        import ast
-        import inspect
-        import itertools
+        return field_docs(cls)
 
-        docs = {}
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-        for node, nxt in itertools.pairwise(body):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = " ".join(str(nxt.value.value).split())
-        return docs
+
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field name -> the docstring written under the field."""
+    import ast
+    import inspect
+    import itertools
+
+    docs = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs

@@ -8,7 +8,6 @@ finished batches in plan order. Queues between them are bounded, so memory stays
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -19,8 +18,6 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
-
-import numpy as np
 
 from . import __version__
 from .checkpoint import (
@@ -36,51 +33,26 @@ from .checkpoint import (
     jsonl_bytes,
     write_atomic,
 )
-from .config import RunConfig, cpu_count
+from .committer import DONE, Committer
+from .config import RunConfig
 from .corpus import BadRow, Columns, Corpus, Row
-from .distributed import part_name, shard_of
-from .engines import EngineOptions, Prepared, RowRejected, VoiceRequest, open_engine
+from .distributed import part_name
 from .errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TOO_MANY_FAILURES,
     CorpusError,
-    CosybatchError,
     OutputError,
     UsageError,
 )
-from .metrics import BatchHistogram
-from .plan import Batch, BudgetGuard, Unit, plan_batches
+from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch, source_hash
+from .producer import Producer
 from .repair import check_sizes, repair
-from .shards import ShardWriter, item_key, wav_bytes
 from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
 
-FIRST_WINDOW_ROWS = 64  # the first window is small so audio starts flowing at once
 METRICS_EVERY_S = 10.0  # how often the Prometheus textfile is refreshed during a run
-_DONE = object()
-
-
-@dataclass
-class _PendingRow:
-    row: Row
-    text: str  # what is spoken: the row's text after the engine's normalisation
-    voice: str  # the engine's key in EngineSet
-    parts: list  # audio per piece, filled in by finished batches
-    remaining: int
-    error: Optional[str] = None
-    label: Optional[str] = None  # the row's voice for the manifest (multi-voice engines)
-
-
-@dataclass
-class _Outcome:
-    batch: Batch
-    audio: list  # per unit: np.ndarray, or an error string
-    real_frames: int = 0
-    padded_frames: int = 0
-    infer_s: float = 0.0
-    oom_retries: int = 0
 
 
 @dataclass
@@ -99,53 +71,6 @@ class RunResult:
             "audio_seconds": s.get("job_totals", {}).get("audio_seconds"),
             "audio_seconds_per_wall_second": s.get("audio_seconds_per_wall_second"),
         })
-
-
-def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
-    """A row's sentences joined in order (with --sentence-silence between), peak-normalised."""
-    if len(parts) == 1:
-        audio = parts[0]
-    else:
-        gap = np.zeros(round(cfg.sentence_silence * sample_rate), dtype=np.float32)
-        pieces = []
-        for i, part in enumerate(parts):
-            if i:
-                pieces.append(gap)
-            pieces.append(part)
-        audio = np.concatenate(pieces)
-    if cfg.normalize:
-        peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
-        audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
-    return audio
-
-
-def render_item(row: Row, text: str, parts: list, engine, cfg: RunConfig,
-                voice: Optional[str] = None) -> tuple[str, dict, dict]:
-    """A finished row -> (shard key, tar members {ext: bytes}, manifest record). `voice` is the
-    row's own voice when the engine serves several (fixed when the row was prepared)."""
-    audio = assemble_audio(parts, engine.sample_rate, cfg)
-    key = item_key(row.id)
-    voice = voice or engine.voice_name
-    meta = {
-        "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
-        "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": voice,
-        "engine": engine.name, "seed": cfg.seed, "row": row.index,
-        "settings": {**engine.describe(), "sentence_silence": cfg.sentence_silence,
-                     "normalize": cfg.normalize, "cosybatch": __version__},
-    }
-    if text != row.text:
-        meta["source_text"] = row.text
-    members = {"wav": wav_bytes(audio, engine.sample_rate), "json": json.dumps(meta, ensure_ascii=False).encode()}
-    record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
-              "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate,
-              "source": source_hash(row)}
-    return key, members, record
-
-
-def source_hash(row: Row) -> str:
-    """What a row asked for (text, voice, prompt): a later corpus whose row differs is reported."""
-    fields = json.dumps([row.text, row.voice, row.prompt_wav, row.prompt_text], ensure_ascii=False)
-    return hashlib.blake2b(fields.encode(), digest_size=8).hexdigest()
 
 
 class RowGate:
@@ -188,110 +113,8 @@ class RowGate:
         return row
 
 
-def run_batch(engine, batch: Batch, guard: Optional[BudgetGuard] = None) -> _Outcome:
-    """Synthesise one batch, never letting one unit or an out-of-memory error end the job.
-
-    Out of memory: the batch is split in halves and each is retried (recursively), and `guard`
-    lowers the budget of that length range for the rest of the run. A unit that runs out of
-    memory alone fails its row with the reason. Any other error: each unit is retried alone, so
-    one bad unit fails only its own row."""
-    from .gpu import is_oom
-
-    t = time.monotonic()
-    outcome = _Outcome(batch, [None] * len(batch.units))
-
-    def attempt(indices: list[int]) -> None:
-        units = tuple(batch.units[i] for i in indices)
-        error = None
-        try:
-            syn = engine.synthesize(units)
-            if len(syn.audio) != len(units):
-                raise RuntimeError(f"the engine returned {len(syn.audio)} results for {len(units)} pieces")
-        except Exception as exc:
-            # Keep only the message: the traceback holds the failed call's frames, and with them
-            # its (GPU) tensors, which the retries below need freed.
-            error, oom = repr(exc), is_oom(exc)
-            exc.__traceback__ = None
-            del exc
-        if error is None:
-            for i, audio in zip(indices, syn.audio, strict=True):
-                outcome.audio[i] = audio
-            outcome.real_frames += syn.real_frames
-            outcome.padded_frames += syn.padded_frames
-        elif oom and len(indices) > 1:
-            outcome.oom_retries += 1
-            if guard is not None:
-                guard.shrink(Batch(batch.seq, units))
-            log.warning("out of memory on a batch of %d (padded cost %d); retrying it in halves",
-                        len(units), len(units) * max(u.cost for u in units))
-            half = len(indices) // 2
-            attempt(indices[:half])
-            attempt(indices[half:])
-        elif len(indices) > 1:
-            for i in indices:
-                attempt([i])
-        elif oom:
-            outcome.audio[indices[0]] = (f"out of memory even alone (a piece of cost {units[0].cost}): {error}; "
-                                         "split the row into shorter ones or give the job more GPU memory")
-        else:
-            outcome.audio[indices[0]] = f"synthesis failed: {error}"
-
-    attempt(list(range(len(batch.units))))
-    outcome.infer_s = time.monotonic() - t
-    return outcome
-
-
-class EngineSet:
-    """Engines by voice, opened on first use. A voice that fails to load fails its rows, not the job."""
-
-    def __init__(self, cfg: RunConfig, options: EngineOptions):
-        self.cfg = cfg
-        self.options = options
-        self.by_voice: dict = {}
-        self.errors: dict[str, str] = {}
-
-    def get(self, voice: Optional[str], from_row: bool):
-        shared = self.by_voice.get("")
-        if shared is not None and getattr(shared, "multi_voice", False):
-            return shared  # one instance serves every voice
-        key = voice or ""
-        if key in self.by_voice:
-            return self.by_voice[key]
-        if key in self.errors:
-            raise RowRejected(self.errors[key])
-        extra = dict(self.options.extra, allow_paths=not from_row)
-        try:
-            engine = open_engine(self.cfg.engine, voice, EngineOptions(
-                self.options.device, self.options.threads, self.options.seed, extra))
-        except CosybatchError as exc:
-            if not from_row:
-                raise
-            self.errors[key] = str(exc)
-            raise RowRejected(str(exc)) from None
-        if getattr(engine, "multi_voice", False):
-            key = ""
-        self.by_voice[key] = engine
-        return engine
-
-    def prepare(self, row: Row) -> tuple[str, Prepared]:
-        """Open (or reuse) the engine for the row's voice and prepare the row; returns the batch
-        group (rows of one group may share a batch) and the prepared row. Raises RowRejected."""
-        voice = row.voice or self.cfg.voice
-        engine = self.get(voice, from_row=row.voice is not None)
-        if getattr(engine, "multi_voice", False):
-            from_row = row.voice is not None or row.prompt_wav is not None
-            request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, from_row)
-            return "", engine.prepare(row.text, row.id, request)
-        return voice or "", engine.prepare(row.text, row.id)
-
-
 def run(cfg: RunConfig) -> RunResult:
-    if cfg.engine == "cosyvoice" and cfg.device != "cpu":
-        from .gpu import configure_allocator
-
-        note = configure_allocator()  # before torch can initialise CUDA
-        if note:
-            log.warning(note)
+    configure_gpu_allocator(cfg)
     if cfg.shard_count is not None:
         # Each worker owns a self-contained folder; `cosybatch merge` presents them as one.
         part = part_name(cfg.shard_index, cfg.shard_count)
@@ -319,6 +142,16 @@ def run(cfg: RunConfig) -> RunResult:
         out.unlock()
 
 
+def configure_gpu_allocator(cfg: RunConfig) -> None:
+    """For engines that run torch on a GPU: its allocator is chosen before torch can start CUDA."""
+    if cfg.engine_class().needs_torch_allocator and cfg.device != "cpu":
+        from .gpu import configure_allocator
+
+        note = configure_allocator()
+        if note:
+            log.warning(note)
+
+
 def _about_output(cfg: RunConfig, exc: OSError) -> bool:
     """Is this I/O error about writing the output (and so resumable once fixed)?"""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
@@ -331,8 +164,8 @@ def open_corpus(cfg: RunConfig) -> Corpus:
     return Corpus(cfg.corpus, Columns(
         id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
         id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None,
-        # CosyVoice's SFT voices are speakers; for Piper a speaker is a choice inside one voice.
-        voice_fallback="speaker" if cfg.engine == "cosyvoice" else None), cfg.format)
+        # An engine may read another column as the voice when there is no voice column.
+        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.format)
 
 
 def check(cfg: RunConfig) -> dict:
@@ -340,21 +173,25 @@ def check(cfg: RunConfig) -> dict:
     format and columns, engine and voice. Returns the resolved settings."""
     from dataclasses import asdict
 
-    from .engines import ENGINES
-
     corpus = open_corpus(cfg)
-    if cfg.engine not in ENGINES:
-        raise UsageError(f"unknown engine {cfg.engine!r}; choose one of: {', '.join(sorted(ENGINES))}")
-    voice = None
-    if cfg.engine == "piper":
-        from .engines.piper import resolve_voice
+    resolved = cfg.engine_class().check(cfg.voice, cfg.engine_options_for())
+    return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
+            "voice": resolved.get("voice", resolved)}
 
-        voice = resolve_voice(cfg.voice, cfg.voice_dir)[0]
-    elif cfg.engine == "cosyvoice":
-        from .engines.cosyvoice import check_setup
 
-        voice = check_setup(cfg.model, cfg.speaker or cfg.voice, cfg.prompt_wav, cfg.prompt_text)
-    return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows}, "voice": voice}
+def job_fingerprint(cfg: RunConfig, corpus: Corpus, engine: dict, runner: Optional[str] = None) -> dict:
+    """Everything that changes the audio or which rows are read: a resume must match it. `engine`
+    is the engine's fingerprint(), the device included (CPU and CUDA audio differ)."""
+    return {
+        **({"runner": runner} if runner else {}),
+        "corpus": corpus.fingerprint(),
+        "columns": {"id": cfg.id_col, "text": cfg.text_col, "voice": cfg.voice_col, "format": corpus.format},
+        "engine": engine,
+        "seed": cfg.seed,
+        "sentence_silence": cfg.sentence_silence,
+        "normalize": cfg.normalize,
+        "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
+    }
 
 
 def _corpus_diff(was: dict, now: dict) -> list[str]:
@@ -370,21 +207,19 @@ def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
 
 
 class _Job:
+    """One run's lifecycle: set-up and resume, the threads (the Producer on this one, inference
+    workers, the Committer), signals and --max-runtime, and the end (manifest, checks, stats,
+    metrics, exports)."""
+
     def __init__(self, cfg: RunConfig, out: OutputDir):
         self.cfg = cfg
         self.out = out
         self.stats = Stats()
         self.stop = threading.Event()
         self.interrupted_by: Optional[str] = None
-        self.max_failed, self.max_failed_rate = cfg.failure_limit()
-        self.batch_seconds = BatchHistogram()
-        self.exhausted = False  # every row was read and every batch dispatched
         self.dropped_batches = 0  # batches skipped after a stop request
         self._metrics_failed = False
         self._metrics_written = 0.0
-        self.too_many_failures = False
-        self.corpus_error: Optional[CorpusError] = None
-        self.read_whole_corpus = False
         self.repairs: list[str] = []
 
     def run(self) -> RunResult:
@@ -413,21 +248,16 @@ class _Job:
         corpus = open_corpus(cfg)
 
         t0 = time.monotonic()
-        self.engines = EngineSet(cfg, EngineOptions(cfg.device, cfg.threads, cfg.seed, cfg.engine_extra()))
+        self.engines = EngineSet(cfg)
         default = self.engines.get(cfg.voice, from_row=False)
         self.stats.stage_s["load"] = time.monotonic() - t0
         self.device = default.device
-        size, per_item = getattr(default, "batch_defaults", lambda: (1 if self.device == "cpu" else 64, 256))()
-        self.batch_size = cfg.batch_size or size
-        self.workers = cfg.workers or (cpu_count() if self.device == "cpu" else 2)
-        probed = getattr(default, "probed_budget", None)  # sized to the GPU pool; workers share it
-        self.batch_budget = cfg.batch_budget or (max(1, probed // self.workers) if probed else None) \
-            or self.batch_size * per_item
-        self.guard = BudgetGuard(self.batch_budget)
+        self.policy = BatchPolicy.for_engine(cfg, default)
+        self.workers = self.policy.workers
         self.default_engine = default
 
-        fingerprint = self._fingerprint(corpus, default)
-        self._adopt_legacy_corpus_fingerprint(corpus, fingerprint)
+        fingerprint = job_fingerprint(cfg, corpus, default.fingerprint())
+        self._adopt_legacy_fingerprint(corpus, fingerprint)
         was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
         self.journal = Journal(self.out.journal_path)
         self.repairs = repair(self.out, self.journal)
@@ -459,269 +289,81 @@ class _Job:
             "total_rows": total, "total_is_estimate": cfg.shard_count is not None,
             "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count]}))
         self.progress = Progress(total, state.items + state.failures, cfg.progress, cfg.log_every)
-        self.shard = ShardWriter(cfg.out, state.open_shard, state.open_offset, state.open_items) \
-            if state.open_shard is not None else None
-        self.next_shard = state.next_shard
-        self.rows: dict[int, _PendingRow] = {}
-        self.rows_lock = threading.Lock()
-
-        work: queue.Queue = queue.Queue(maxsize=2 * self.workers)
+        assembler = RowAssembler()
         # Batches dispatched but not yet committed, wherever they are (queued, computing, waiting
         # in the results queue or the reorder buffer): bounded, so audio never piles up in memory.
         self.uncommitted = threading.Semaphore(4 * self.workers + 4)
+        self.committer = Committer(cfg, self.journal, state, self.stats, self.progress, assembler, self.engines,
+                                   self.stop, self.uncommitted, self._metrics_while_running)
+        self.gate = RowGate(state.done_ids, state.failed_rows, cfg.max_chars, self.committed_sources)
+        self.producer = Producer(cfg, corpus, self.gate, self.engines, assembler, self.policy, self.stats,
+                                 self.stop, self.uncommitted)
+
+        work: queue.Queue = queue.Queue(maxsize=2 * self.workers)
         results: queue.Queue = queue.Queue()
         workers = [threading.Thread(target=self._infer_loop, args=(work, results), daemon=True, name=f"infer-{i}")
                    for i in range(self.workers)]
-        writer = threading.Thread(target=self._write_loop, args=(results,), daemon=True, name="writer")
+        writer = threading.Thread(target=self.committer.loop, args=(results, lambda e: _output_error(cfg, e)),
+                                  daemon=True, name="writer")
         for t in [*workers, writer]:
             t.start()
         error: Optional[BaseException] = None
         try:
-            self._produce(corpus, state.done_ids, state.failed_rows, work, results)
+            self.producer.run(work, results)
         except BaseException as exc:
             error = exc
             self.stop.set()
         finally:
             for _ in workers:
-                work.put(_DONE)
+                work.put(DONE)
             for t in workers:
                 t.join()
-            results.put(_DONE)
+            results.put(DONE)
             writer.join()
             self.progress.close()
-        if self.writer_error is not None:
-            error = error or self.writer_error
+        error = error or self.committer.error
         if error is not None:
-            if self.shard is not None:
-                self.shard.abandon()
-            self.journal.close()
+            self.committer.finish(interrupted=True)
             raise error
         return self._finish()
 
-    def _fingerprint(self, corpus: Corpus, engine) -> dict:
-        """Everything that changes the audio or which rows are read: a resume must match it."""
-        cfg = self.cfg
-        return {
-            "corpus": corpus.fingerprint(),
-            "columns": {"id": cfg.id_col, "text": cfg.text_col, "voice": cfg.voice_col, "format": corpus.format},
-            "engine": engine.describe(),
-            "seed": cfg.seed,
-            "sentence_silence": cfg.sentence_silence,
-            "normalize": cfg.normalize,
-            "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
-        }
-
-    def _adopt_legacy_corpus_fingerprint(self, corpus: Corpus, fingerprint: dict) -> None:
-        """Jobs started before the fingerprint covered the whole corpus recorded a hash of its
-        first and last MiB. When that still matches, the file is taken as the same one and the
-        record gets the whole-file hash, so an upgrade needs no --allow-corpus-change."""
+    def _adopt_legacy_fingerprint(self, corpus: Corpus, fingerprint: dict) -> None:
+        """Jobs started by an older cosybatch recorded a hash of the corpus's first and last MiB
+        only, and no device. Where what was recorded still matches, the record is brought up to
+        date, so an upgrade never asks for --allow-corpus-change or --restart."""
         recorded = self.out.recorded() if not self.cfg.restart else None
-        old = (recorded or {}).get("fingerprint", {}).get("corpus") or {}
-        if "sha256_head_tail" in old and old == {"name": corpus.path.name, **file_fingerprint(corpus.path)}:
-            recorded["fingerprint"]["corpus"] = fingerprint["corpus"]
+        if recorded is None:
+            return
+        old = recorded.get("fingerprint", {})
+        changed = []
+        was = old.get("corpus") or {}
+        if "sha256_head_tail" in was and was == {"name": corpus.path.name, **file_fingerprint(corpus.path)}:
+            old["corpus"] = fingerprint["corpus"]
+            changed.append("the corpus fingerprint now covers the whole file")
+        engine = old.get("engine") or {}
+        if "device" not in engine and engine == {k: v for k, v in fingerprint["engine"].items() if k != "device"}:
+            old["engine"] = fingerprint["engine"]
+            changed.append(f"the device ({fingerprint['engine']['device']}) is recorded from now on")
+        if changed:
             write_atomic(self.out.job_file, json_bytes(recorded))
-            log.info("%s: the corpus fingerprint now covers the whole file", self.cfg.out)
-
-    # -- main thread: read, prepare, plan ----------------------------------------------------
-    def _produce(self, corpus: Corpus, done_ids: set, failed_rows: set, work: queue.Queue,
-                 results: queue.Queue) -> None:
-        cfg = self.cfg
-        gate = self.gate = RowGate(done_ids, failed_rows, cfg.max_chars, self.committed_sources)
-        window_rows = FIRST_WINDOW_ROWS
-        units: list[Unit] = []
-        failures: list[dict] = []
-        rows_in_window = 0
-        next_key = 0
-        seq = 0
-        it = iter(corpus)
-        read_s = prep_s = 0.0
-        read_all = False
-        while not self.stop.is_set():
-            t = time.monotonic()
-            try:
-                row = next(it, None)
-            except CorpusError as exc:  # raised after every readable row was yielded
-                self.corpus_error = exc
-                row = None
-            read_s += time.monotonic() - t
-            if row is None or (cfg.limit is not None and row.index >= cfg.limit):
-                read_all = True
-                self.read_whole_corpus = row is None
-                break
-            if cfg.shard_count is not None and shard_of(row.id if row.id is not None else f"#row{row.index}",
-                                                        cfg.shard_count) != cfg.shard_index:
-                continue  # another worker's row
-            admitted = gate.admit(row)
-            if admitted is None:
-                continue
-            if isinstance(admitted, dict):
-                failures.append(admitted)
-                continue
-            t = time.monotonic()
-            try:
-                group, prepared = self.engines.prepare(row)
-            except RowRejected as exc:
-                failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
-                prep_s += time.monotonic() - t
-                continue
-            prep_s += time.monotonic() - t
-            key = next_key
-            next_key += 1
-            with self.rows_lock:
-                self.rows[key] = _PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
-                                             len(prepared.costs), label=prepared.voice)
-            units.extend(Unit(key, part, cost, group, payload)
-                         for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True)))
-            rows_in_window += 1
-            if rows_in_window >= window_rows:
-                seq, _ = self._dispatch(units, seq, work)
-                units, rows_in_window = [], 0
-                window_rows = min(window_rows * 4, cfg.window)
-            if len(failures) >= 256:
-                results.put(("failed", failures))
-                failures = []
-        if read_all:
-            self.exhausted = self._dispatch(units, seq, work)[1] if units else True
-        if failures:
-            results.put(("failed", failures))
-        self.stats.stage_s["read"] += read_s
-        self.stats.stage_s["prepare"] += prep_s
-
-    def _dispatch(self, units: list[Unit], seq: int, work: queue.Queue) -> tuple[int, bool]:
-        """Plan a window and queue its batches; returns (next seq, whether all were queued)."""
-        batches = plan_batches(units, self.batch_size, self.guard, first_seq=seq)
-        for batch in batches:
-            while not self.uncommitted.acquire(timeout=0.2):
-                if self.stop.is_set():
-                    return seq + len(batches), False
-            while True:
-                if self.stop.is_set():
-                    self.uncommitted.release()
-                    return seq + len(batches), False
-                try:
-                    work.put(batch, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
-        return seq + len(batches), True
+            log.info("%s: %s", self.cfg.out, "; ".join(changed))
 
     # -- inference threads -------------------------------------------------------------------
     def _infer_loop(self, work: queue.Queue, results: queue.Queue) -> None:
         while True:
             batch = work.get()
-            if batch is _DONE:
+            if batch is DONE:
                 return
             if self.stop.is_set():
                 self.dropped_batches += 1  # interrupted: dropped now, redone on resume
                 self.uncommitted.release()
                 continue
             try:
-                outcome = run_batch(self.engines.by_voice[batch.group], batch, self.guard)
+                outcome = run_batch(self.engines.by_voice[batch.group], batch, self.policy.guard)
             except Exception as exc:  # never leave the writer waiting for this batch
                 log.exception("batch %d failed outside the engine", batch.seq)
-                outcome = _Outcome(batch, [f"internal error: {exc!r}"] * len(batch.units))
+                outcome = Outcome(batch, [f"internal error: {exc!r}"] * len(batch.units))
             results.put(("batch", outcome))
-
-    # -- writer thread -----------------------------------------------------------------------
-    writer_error: Optional[BaseException] = None
-
-    def _write_loop(self, results: queue.Queue) -> None:
-        pending: dict[int, _Outcome] = {}
-        next_seq = 0
-        try:
-            while True:
-                msg = results.get()
-                if msg is _DONE:
-                    break
-                kind, payload = msg
-                if kind == "failed":
-                    self._commit_failures(payload)
-                    continue
-                pending[payload.batch.seq] = payload
-                while next_seq in pending:
-                    self._commit_batch(pending.pop(next_seq))
-                    self.uncommitted.release()
-                    next_seq += 1
-            # Interrupted: batches after a dropped one still hold finished rows worth keeping.
-            for seq in sorted(pending):
-                self._commit_batch(pending.pop(seq))
-                self.uncommitted.release()
-        except OSError as exc:
-            # Nothing after the last commit counts; a rerun truncates it away.
-            self.writer_error = _output_error(self.cfg, exc)
-            self.stop.set()
-        except BaseException as exc:
-            self.writer_error = exc
-            self.stop.set()
-
-    def _commit_failures(self, failures: list[dict]) -> None:
-        self.journal.append({"t": "failed", "ts": round(time.time(), 3), "items": failures})
-        self.stats.items_failed += len(failures)
-        self.progress.update(len(failures), 0.0)
-        total_failed = self.stats.previous_items_failed + self.stats.items_failed
-        if self.max_failed is not None and total_failed > self.max_failed and not self.too_many_failures:
-            log.error("%d rows failed, more than --max-failures %d: stopping; see %s",
-                      total_failed, self.max_failed, self.cfg.out / "failures.jsonl")
-            self.too_many_failures = True
-            self.stop.set()
-
-    def _commit_batch(self, outcome: _Outcome) -> None:
-        t = time.monotonic()
-        stats = self.stats
-        stats.batches += 1
-        stats.batch_sizes[len(outcome.batch.units)] += 1
-        stats.real_frames += outcome.real_frames
-        stats.padded_frames += outcome.padded_frames
-        stats.oom_retries += outcome.oom_retries
-        stats.stage_s["infer"] += outcome.infer_s
-        self.batch_seconds.observe(outcome.infer_s)
-        finished: list[_PendingRow] = []
-        with self.rows_lock:
-            for unit, audio in zip(outcome.batch.units, outcome.audio, strict=True):
-                pending = self.rows[unit.row_key]
-                if isinstance(audio, str):
-                    pending.error = pending.error or audio
-                else:
-                    pending.parts[unit.part] = audio
-                pending.remaining -= 1
-                if pending.remaining == 0:
-                    finished.append(self.rows.pop(unit.row_key))
-        items, failures = [], []
-        mtime = int(time.time())
-        for pending in sorted(finished, key=lambda p: p.row.index):
-            row = pending.row
-            if pending.error:
-                failures.append({"id": row.id, "row": row.index, "reason": pending.error})
-                continue
-            engine = self.engines.by_voice[pending.voice]
-            key, members, record = render_item(row, pending.text, pending.parts, engine, self.cfg, pending.label)
-            if self.shard is None:
-                self.shard = ShardWriter(self.cfg.out, self.next_shard)
-                self.next_shard += 1
-            self.shard.add(key, members, mtime)
-            items.append(record)
-        if items:
-            end = self.shard.commit()
-            self.journal.append({"t": "items", "ts": round(time.time(), 3), "shard": self.shard.index,
-                                 "end": end, "items": items})
-            stats.items_done += len(items)
-            audio_s = sum(i["duration_s"] for i in items)
-            stats.audio_s += audio_s
-            self.progress.update(len(items), audio_s)
-        if failures:
-            self._commit_failures(failures)
-        if self.shard is not None and (self.shard.items >= self.cfg.shard_max_items
-                                       or self.shard.offset >= self.cfg.shard_max_bytes):
-            self._close_shard()
-        stats.stage_s["write"] += time.monotonic() - t
-        if self.cfg.metrics_file is not None and time.monotonic() - self._metrics_written >= METRICS_EVERY_S:
-            self._write_metrics(self._snapshot("running"))
-
-    def _close_shard(self) -> None:
-        index, items = self.shard.index, self.shard.items
-        self.shard.close()
-        self.journal.append({"t": "closed", "shard": index, "items": items})
-        self.shard = None
 
     # -- interruption ------------------------------------------------------------------------
     def _install_signal_handlers(self):
@@ -739,17 +381,21 @@ class _Job:
         return restore
 
     # -- the end -----------------------------------------------------------------------------
+    def _metrics_while_running(self) -> None:
+        if self.cfg.metrics_file is not None and time.monotonic() - self._metrics_written >= METRICS_EVERY_S:
+            self._write_metrics(self._snapshot("running"))
+
     def _snapshot(self, status: str, **extra) -> dict:
         from .gpu import memory_stats
 
         engine = self.default_engine
         return self.stats.to_dict(
             status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
-            device=self.device, batch_size_limit=self.batch_size, batch_budget=self.batch_budget,
-            workers=self.workers, cosybatch=__version__, budget_changes=list(self.guard.changes),
+            device=self.device, batch_size_limit=self.policy.batch_size, batch_budget=self.policy.batch_budget,
+            workers=self.workers, cosybatch=__version__, budget_changes=list(self.policy.guard.changes),
             gpu_memory=memory_stats(),
             cold_start_seconds=round(self.stats.stage_s["load"], 3),
-            memory_pool=getattr(engine, "pool_info", None),
+            memory_pool=engine.memory_plan().pool,
             shard=None if self.cfg.shard_count is None else [self.cfg.shard_index, self.cfg.shard_count],
             **extra,
         )
@@ -761,7 +407,7 @@ class _Job:
         if self.cfg.shard_count is not None:
             labels["job"] = self.cfg.out.parent.name  # the job, not the part folder
             labels["shard"] = f"{self.cfg.shard_index}/{self.cfg.shard_count}"
-        return registry(snapshot, self.batch_seconds, labels)
+        return registry(snapshot, self.committer.batch_seconds, labels)
 
     def _write_metrics(self, snapshot: dict) -> None:
         from .metrics import write_textfile
@@ -776,18 +422,14 @@ class _Job:
 
     def _finish(self) -> RunResult:
         # A stop that came after the last batch was committed interrupted nothing.
-        interrupted = self.stop.is_set() and not (self.exhausted and self.dropped_batches == 0)
+        interrupted = self.stop.is_set() and not (self.producer.exhausted and self.dropped_batches == 0)
         failed = self.stats.previous_items_failed + self.stats.items_failed
         done = self.stats.previous_items_done + self.stats.items_done
-        if self.max_failed_rate is not None and failed > self.max_failed_rate * max(done + failed, 1):
-            self.too_many_failures = True
-        if self.max_failed is not None and failed > self.max_failed:
-            self.too_many_failures = True  # also on a rerun that adds no new failure
-        if not interrupted and self.shard is not None:
-            self._close_shard()
-        elif self.shard is not None:
-            self.shard.abandon()
-        self.journal.close()
+        max_failed, max_failed_rate = self.cfg.failure_limit()
+        too_many_failures = self.committer.too_many_failures or (
+            max_failed_rate is not None and failed > max_failed_rate * max(done + failed, 1)) or (
+            max_failed is not None and failed > max_failed)  # also on a rerun that adds no new failure
+        self.committer.finish(interrupted)
         self.out.write_failures()
         problems: list[str] = []
         changes = None
@@ -796,8 +438,9 @@ class _Job:
             self.out.write_manifest(ledger)
             problems = check_sizes(self.out, ledger)  # never report "complete" over a damaged folder
             changes = self._write_corpus_changes()
-        status = ("too_many_failures" if self.too_many_failures else "interrupted" if interrupted
-                  else "damaged" if problems else "corpus_error" if self.corpus_error else "complete")
+        corpus_error = self.producer.corpus_error
+        status = ("too_many_failures" if too_many_failures else "interrupted" if interrupted
+                  else "damaged" if problems else "corpus_error" if corpus_error else "complete")
         if status == "complete" and self.cfg.export:
             from .exports import export
 
@@ -818,7 +461,7 @@ class _Job:
                      grouping={"instance": self.cfg.out.name})
             except Exception as exc:  # the audio is safe; no monitoring problem may fail the job
                 log.warning("could not push metrics to %s: %s", self.cfg.pushgateway, exc)
-        if self.too_many_failures:
+        if too_many_failures:
             return RunResult(status, EXIT_TOO_MANY_FAILURES, stats)
         if interrupted:
             log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
@@ -829,8 +472,8 @@ class _Job:
                 log.error("%s: %s", self.cfg.out, problem)
             log.error("the output folder changed under the run; rerun the same command to repair it")
             return RunResult(status, EXIT_INTERRUPTED, stats)
-        if self.corpus_error is not None:
-            raise CorpusError(f"{self.corpus_error} Every readable row was processed and committed; fix the "
+        if corpus_error is not None:
+            raise CorpusError(f"{corpus_error} Every readable row was processed and committed; fix the "
                               "file, then rerun with --allow-corpus-change to synthesise the rest.")
         return RunResult(status, EXIT_OK, stats)
 
@@ -839,7 +482,7 @@ class _Job:
         if self.committed_sources is None:
             return None
         changes = list(self.gate.changed)
-        if self.read_whole_corpus and self.cfg.limit is None:
+        if self.producer.read_whole_corpus and self.cfg.limit is None:
             changes += [{"id": i, "row": None, "change": "removed",
                          "detail": "not in the corpus any more; its committed audio was kept"}
                         for i in self.committed_sources if i not in self.gate.still_there]

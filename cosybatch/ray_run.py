@@ -23,12 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from . import __version__
@@ -45,10 +46,10 @@ from .checkpoint import (
 )
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Corpus, Row
-from .engines import EngineOptions, RowRejected
+from .engines import RowRejected
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
-from .job import EngineSet, RowGate, RunResult, open_corpus, render_item, run_batch
-from .plan import Unit, plan_batches
+from .executor import BatchPolicy, EngineSet, RowAssembler, render_rows, run_batch
+from .job import RowGate, RunResult, configure_gpu_allocator, job_fingerprint, open_corpus
 from .shards import ShardWriter
 from .stats import Progress, Stats
 
@@ -80,56 +81,55 @@ def chunk_digest(ids: list[str]) -> str:
 
 
 class SynthWorker:
-    """The actor: one engine per voice, one tar shard per chunk of rows."""
+    """The actor: the engines, batched exactly as `cosybatch run` batches them (the same
+    executor: batch size and budget from the engine, the budget guard, out-of-memory halving),
+    and one tar shard per chunk of rows."""
 
     def __init__(self, cfg: RunConfig, device: str):
+        cfg = replace(cfg, device=device)
         self.cfg = cfg
-        if cfg.engine == "cosyvoice" and device != "cpu":
-            from .gpu import configure_allocator
+        configure_gpu_allocator(cfg)  # this actor's own process: before its engine imports torch
+        self.engines = EngineSet(cfg)
+        self.default = self.engines.get(cfg.voice, from_row=False)
+        self.policy = BatchPolicy.for_engine(cfg, self.default, workers=1)  # an actor runs one batch at a time
 
-            configure_allocator()  # this actor's own process: before its engine imports torch
-        self.engines = EngineSet(cfg, EngineOptions(device, cfg.threads, cfg.seed, cfg.engine_extra()))
-        self.batch_size = cfg.batch_size or 1
-        self.batch_budget = cfg.batch_budget or self.batch_size * 256
+    def describe(self) -> dict:
+        """What the driver needs to know of the engine, so that it never opens one itself."""
+        e = self.default
+        return {"fingerprint": e.fingerprint(), "name": e.name, "voice": e.voice_name, "device": e.device,
+                "batch_size_limit": self.policy.batch_size, "batch_budget": self.policy.batch_budget}
 
     def process(self, rows: list[Row]) -> dict:
         cfg = self.cfg
         digest = chunk_digest([r.id for r in rows])
-        units, pending, failures = [], {}, []
-        for key, row in enumerate(rows):
+        assembler = RowAssembler()
+        units, failures, rendered = [], [], []
+        for row in rows:
             try:
                 group, prepared = self.engines.prepare(row)
             except RowRejected as exc:
                 failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
                 continue
-            pending[key] = [prepared.text, group, [None] * len(prepared.costs), None, prepared.voice]
-            units += [Unit(key, part, cost, group, payload)
-                      for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
-        stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0}
-        for batch in plan_batches(units, self.batch_size, self.batch_budget):
-            outcome = run_batch(self.engines.by_voice[batch.group], batch)
+            units += assembler.add(row, prepared, group)
+        stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0,
+                 "oom_retries": 0}
+        for batch in self.policy.plan(units):
+            outcome = run_batch(self.engines.by_voice[batch.group], batch, self.policy.guard)
             stats["batches"] += 1
             stats["batch_sizes"][len(batch.units)] += 1
             stats["real_frames"] += outcome.real_frames
             stats["padded_frames"] += outcome.padded_frames
             stats["infer_s"] += outcome.infer_s
-            for unit, audio in zip(batch.units, outcome.audio, strict=True):
-                entry = pending[unit.row_key]
-                if isinstance(audio, str):
-                    entry[3] = entry[3] or audio
-                else:
-                    entry[2][unit.part] = audio
+            stats["oom_retries"] += outcome.oom_retries
+            done, failed = render_rows(assembler.take(outcome), self.engines, cfg)
+            rendered += done
+            failures += failed
         name = f"shard-{digest}.tar"
         shard = None
         items = []
-        for key, (text, group, parts, error, label) in pending.items():
-            row = rows[key]
-            if error:
-                failures.append({"id": row.id, "row": row.index, "reason": error})
-                continue
+        for tar_key, members, record in sorted(rendered, key=lambda r: r[2]["row"]):  # the same bytes on a retry
             if shard is None:
                 shard = ShardWriter(cfg.out, 0, name=name)
-            tar_key, members, record = render_item(row, text, parts, self.engines.by_voice[group], cfg, label)
             shard.add(tar_key, members, int(time.time()))
             items.append({**record, "shard": name})
         # Failures first: if the process dies before the rename, the rows are simply redone.
@@ -199,13 +199,27 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         corpus = open_corpus(cfg)
         stats = Stats()
         t0 = time.monotonic()
-        device = "cuda" if opts.num_gpus > 0 else "cpu"
-        probe = EngineSet(cfg, EngineOptions(device if device == "cuda" else cfg.device, cfg.threads, cfg.seed,
-                                             cfg.engine_extra())).get(cfg.voice, from_row=False)
-        fingerprint = {"runner": "ray", "corpus": corpus.fingerprint(), "engine": probe.describe(),
-                       "columns": {"id": cfg.id_col, "text": cfg.text_col, "voice": cfg.voice_col},
-                       "seed": cfg.seed, "sentence_silence": cfg.sentence_silence, "normalize": cfg.normalize}
-        out.check_or_start(fingerprint, cfg.restart)
+        device = "cuda" if opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
+        if not ray.is_initialized():
+            extra = {}
+            if opts.address is None:
+                # A local cluster gets one logical CPU beyond what the actors hold, for Ray Data's
+                # read tasks: with every CPU held by an actor, the read would wait forever.
+                extra["num_cpus"] = max(cpu_count(), int(opts.actors * opts.num_cpus + 0.999) + 1)
+                # Its actors are the job itself: Ray's default worker niceness (15) let two other
+                # busy processes starve them to 2.5% of a core here. The raylet reads this variable.
+                os.environ.setdefault("RAY_worker_niceness", "0")
+            ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING, configure_logging=False, **extra)
+            started_ray = True
+        remote = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus, max_restarts=2,
+                            max_task_retries=2)(SynthWorker)
+        actors = [remote.remote(cfg, device) for _ in range(opts.actors)]
+        engine = ray.get(actors[0].describe.remote())  # the driver never opens an engine (nor CUDA)
+        pool = ActorPool(actors)
+        stats.stage_s["load"] = time.monotonic() - t0
+
+        out.check_or_start(job_fingerprint(cfg, corpus, engine["fingerprint"], runner="ray"), cfg.restart)
         for partial in cfg.out.glob("shard-*.tar.partial"):
             partial.unlink()  # a chunk that never finished; its rows are redone
         items, failures = scan_output(out)
@@ -214,20 +228,6 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         stats.previous_items_done = len(items)
         stats.previous_items_failed = len(failures)
         stats.previous_audio_s = sum(i["duration_s"] for i in items)
-
-        if not ray.is_initialized():
-            extra = {}
-            if opts.address is None:
-                # A local cluster gets one logical CPU beyond what the actors hold, for Ray Data's
-                # read tasks: with every CPU held by an actor, the read would wait forever.
-                extra["num_cpus"] = max(cpu_count(), int(opts.actors * opts.num_cpus + 0.999) + 1)
-            ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING, configure_logging=False, **extra)
-            started_ray = True
-        remote = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus, max_restarts=2,
-                            max_task_retries=2)(SynthWorker)
-        pool = ActorPool([remote.remote(cfg, device if device == "cuda" else cfg.device) for _ in range(opts.actors)])
-        stats.stage_s["load"] = time.monotonic() - t0
 
         def handler(signum, _frame):
             log.warning("%s: finishing the chunks in flight, then stopping", signal.Signals(signum).name)
@@ -257,6 +257,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
             stats.real_frames += s["real_frames"]
             stats.padded_frames += s["padded_frames"]
             stats.stage_s["infer"] += s["infer_s"]
+            stats.oom_retries += s["oom_retries"]
             progress.update(len(result["items"]) + len(result["failures"]), audio_s)
 
         def flush_driver_failures() -> None:
@@ -302,8 +303,9 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         status = "interrupted" if stop.is_set() else "complete"
         write_manifest_table(cfg.out, items)
         write_atomic(cfg.out / FAILURES_FILE, jsonl_bytes(failures))
-        snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=probe.name, voice=probe.voice_name,
-                                 device=device, runner="ray", actors=opts.actors, cosybatch=__version__)
+        snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=engine["name"], voice=engine["voice"],
+                                 device=engine["device"], runner="ray", actors=opts.actors, cosybatch=__version__,
+                                 batch_size_limit=engine["batch_size_limit"], batch_budget=engine["batch_budget"])
         write_atomic(cfg.out / STATS_FILE, json_bytes(snapshot))
         max_count, max_rate = cfg.failure_limit()
         if (max_count is not None and len(failures) > max_count) or (

@@ -202,10 +202,11 @@ def test_non_weights_only_model_checkpoints_are_model_dir_errors(model_copy, nam
 
 def test_non_weights_only_flow_pt_when_opening_the_engine(model_copy):
     from cosybatch.engines import EngineOptions, open_engine
+    from cosybatch.engines.cosyvoice import CosyVoiceOptions
 
     write_reduce(model_copy / "flow.pt")
     with pytest.raises(CosybatchError) as err:
-        open_engine("cosyvoice", None, EngineOptions(device="cpu", extra={"model": str(model_copy)}))
+        open_engine("cosyvoice", None, EngineOptions(device="cpu", engine=CosyVoiceOptions(model=model_copy)))
     assert err.value.exit_code == 2 and "flow.pt" in str(err.value)
 
 

@@ -14,6 +14,7 @@ from conftest import write_parquet
 from helpers import read_output
 
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
+from cosybatch.engines.cosyvoice import CosyVoiceOptions
 from cosybatch.plan import Unit
 
 SAMPLES_PER_TOKEN = 2 * 480  # 2 mel frames per speech token, 480 samples per frame
@@ -54,8 +55,8 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(cosyvoice_dir, corpus):
-    return open_engine("cosyvoice", None, EngineOptions(device="cpu", extra={
-        "model": cosyvoice_dir, "corpus_dir": corpus.parent}))
+    return open_engine("cosyvoice", None, EngineOptions(device="cpu", corpus_dir=corpus.parent,
+                                                        engine=CosyVoiceOptions(model=cosyvoice_dir)))
 
 
 def run_row(engine, text: str, item_id: str, voice: VoiceRequest) -> tuple[np.ndarray, int]:

@@ -105,7 +105,7 @@ def test_voice_column_selects_the_voice_per_row(tmp_path, texts):
     ]
     corpus = write_jsonl(tmp_path / "c.jsonl", rows)
     out = tmp_path / "out"
-    result = run(RunConfig(corpus=corpus, out=out, voice_dir=voices, progress="none"))
+    result = run(RunConfig(corpus=corpus, out=out, engine_options={"voice_dir": voices}, progress="none"))
     items = read_output(out)
     assert set(items) == {"default", "named"}
     assert items["named"]["meta"]["voice"] == "joe-copy"

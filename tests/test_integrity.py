@@ -244,12 +244,12 @@ def test_a_shortened_open_shard_keeps_what_is_whole(tmp_path):
 
 
 def test_run_never_reports_complete_over_a_shard_lost_during_the_run(tmp_path, monkeypatch):
-    from cosybatch import job
+    from cosybatch.committer import Committer
 
     data = rows(7)
     corpus = write_parquet(tmp_path / "c.parquet", data)
     out = tmp_path / "out"
-    real_close = job._Job._close_shard
+    real_close = Committer.close_shard
 
     def close_then_lose(self):
         index = self.shard.index
@@ -257,11 +257,11 @@ def test_run_never_reports_complete_over_a_shard_lost_during_the_run(tmp_path, m
         if index == 0:
             (out / "shard-000000.tar").unlink()  # an operator's cleanup script, say
 
-    monkeypatch.setattr(job._Job, "_close_shard", close_then_lose)
+    monkeypatch.setattr(Committer, "close_shard", close_then_lose)
     result = run(config(corpus, out))
     assert result.status == "damaged" and result.exit_code == 4
     assert result.stats["problems"] == ["shard-000000.tar is missing; the journal has 3 items in it"]
-    monkeypatch.setattr(job._Job, "_close_shard", real_close)
+    monkeypatch.setattr(Committer, "close_shard", real_close)
     assert run(config(corpus, out)).status == "complete"
     assert_exactly_once(out, [r["id"] for r in data])
 
@@ -384,7 +384,10 @@ def test_a_job_fingerprinted_the_old_way_resumes_without_the_flag(tmp_path):
     job_file = out / ".cosybatch" / "job.json"
     record = json.loads(job_file.read_text())
     whole = record["fingerprint"]["corpus"]
+    engine = dict(record["fingerprint"]["engine"])
     record["fingerprint"]["corpus"] = {"name": "c.jsonl", **file_fingerprint(corpus)}  # head and tail only
+    del record["fingerprint"]["engine"]["device"]  # not recorded before
     job_file.write_text(json.dumps(record))
     assert run(config(corpus, out)).stats["items_done"] == 1
     assert json.loads(job_file.read_text())["fingerprint"]["corpus"] == whole
+    assert json.loads(job_file.read_text())["fingerprint"]["engine"] == engine

@@ -14,7 +14,8 @@ from helpers import read_output
 from cosybatch.config import RunConfig
 from cosybatch.engines import Synthesised
 from cosybatch.engines.piper import PiperEngine
-from cosybatch.job import run, run_batch
+from cosybatch.executor import run_batch
+from cosybatch.job import run
 from cosybatch.plan import Batch, BudgetGuard, Unit, plan_batches
 
 SENTENCES = ["The kettle is boiling.", "Close the window, please.", "Rain is expected today.",

@@ -70,7 +70,9 @@ def test_every_example_in_jobs_is_valid(cosyvoice_dir):
         override = ["--model", str(cosyvoice_dir), "--device", "cpu"] if real_model else []
         cfg = checked("--job", str(spec.relative_to(ROOT)), "--shard", "0/4", *override)
         if real_model:
-            assert cfg["engine"] == "cosyvoice" and cfg["prompt_wav"] == "examples/prompt-joe.wav"
+            options = cfg["engine_options"]
+            assert cfg["engine"] == "cosyvoice" and options["prompt_wav"] == "examples/prompt-joe.wav"
+            assert options["model"] == str(cosyvoice_dir)  # --model overrides the spec's table
 
     # Command lines in the scheduler examples, checked as those schedulers would run them.
     commands = []

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cosybatch.engines import EngineOptions, RowRejected, open_engine
+from cosybatch.engines.piper import PiperOptions
 from cosybatch.plan import Unit
 
 
@@ -21,7 +22,7 @@ def units_for(engine, texts):
 
 @pytest.fixture(scope="module")
 def quiet_engine():
-    return open_engine("piper", None, EngineOptions(device="cpu", extra={"noise_scale": 0.0, "noise_w": 0.0}))
+    return open_engine("piper", None, EngineOptions(device="cpu", engine=PiperOptions(noise_scale=0.0, noise_w=0.0)))
 
 
 @pytest.mark.parametrize("noisy", [False, True], ids=["noise-off", "seeded-noise"])
@@ -93,7 +94,7 @@ def test_nothing_pronounceable_is_rejected(engine):
 def test_padding_the_phoneme_axis_changes_nothing(engine, texts):
     """On CUDA the phoneme axis is padded to a multiple of 32 (fewer cuDNN shape searches); the
     padding is masked, so every item's audio is what it is unpadded."""
-    padded = open_engine("piper", None, EngineOptions(device="cpu", extra={"pad_multiple": 32}))
+    padded = open_engine("piper", None, EngineOptions(device="cpu", engine=PiperOptions(pad_multiple=32)))
     units = units_for(engine, texts[:4])
     plain = engine.synthesize(units).audio
     wide = padded.synthesize(units).audio

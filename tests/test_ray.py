@@ -114,3 +114,34 @@ def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
     items = read_output(tmp_path / "out")
     assert set(items) == {"a", "b", "c"} and result.stats["items_failed"] == 0
     assert [items[k]["meta"]["row"] for k in "abc"] == [0, 1, 2]
+
+
+def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_dir):
+    """One executor: ray-run's actors size batches from the engine exactly as `run` does."""
+    texts = ["Hello there.", "A somewhat longer sentence for the model.", "Yes.", "Good morning to you all.",
+             "The rain stopped at noon.", "No.", "Bright lights, big city.", "Thanks a lot."]
+    corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"c{i}", "text": t} for i, t in enumerate(texts)])
+    cfg = RunConfig(corpus=corpus, out=tmp_path / "local", engine="cosyvoice", device="cpu", batch_size=3,
+                    engine_options={"model": cosyvoice_dir, "speaker": "alice"}, normalize=False, progress="none")
+    local = run(cfg)
+    remote = ray_run(RunConfig(**{**cfg.__dict__, "out": tmp_path / "ray"}), RayOptions(actors=1, rows_per_task=64))
+    assert remote.status == local.status == "complete"
+    assert remote.stats["batch_sizes"] == local.stats["batch_sizes"] and max(map(int, local.stats["batch_sizes"])) == 3
+    assert (remote.stats["batch_size_limit"], remote.stats["batch_budget"]) == \
+        (local.stats["batch_size_limit"], local.stats["batch_budget"])
+    a, b = read_output(tmp_path / "local"), read_output(tmp_path / "ray")
+    assert sorted(a) == sorted(b) == sorted(f"c{i}" for i in range(len(texts)))
+    for item_id in a:
+        assert (a[item_id]["audio"] == b[item_id]["audio"]).all()
+
+
+def test_the_driver_never_opens_an_engine(tmp_path, monkeypatch):
+    from cosybatch import executor
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver opened an engine")
+
+    monkeypatch.setattr(executor, "open_engine", refuse)  # actors are other processes: unaffected
+    corpus = write_parquet(tmp_path / "c.parquet", rows(3))
+    result = ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", progress="none"), RayOptions(actors=1))
+    assert result.status == "complete" and result.stats["items_done"] == 3

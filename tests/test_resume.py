@@ -103,7 +103,7 @@ def test_rerun_with_other_settings_is_refused_unless_restart(tmp_path):
     out = tmp_path / "out"
     run(RunConfig(corpus=corpus, out=out, progress="none"))
     with pytest.raises(ResumeMismatchError, match=r"noise_scale was 0.667, now 0.3"):
-        run(RunConfig(corpus=corpus, out=out, noise_scale=0.3, progress="none"))
+        run(RunConfig(corpus=corpus, out=out, engine_options={"noise_scale": 0.3}, progress="none"))
     other = write_parquet(tmp_path / "other.parquet", corpus_rows(3))
     with pytest.raises(ResumeMismatchError, match=r"corpus\.name was 'c.parquet', now 'other.parquet'"):
         run(RunConfig(corpus=other, out=out, progress="none"))
@@ -151,3 +151,18 @@ def test_duplicate_failure_never_hides_the_first_row(tmp_path):
     assert set(items) == {"x", "y"} and items["x"]["meta"]["text"] == "First."
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
     assert [(f["id"], f["row"], f["reason"]) for f in failures] == [("x", 2, DUPLICATE_ID)]
+
+
+def test_a_device_change_is_refused_with_what_differs(tmp_path):
+    """CPU and CUDA audio differ in the last bits: a job started on one device is not resumed on
+    the other. (No GPU here: the record of a job started on CUDA is written as CUDA would.)"""
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
+    out = tmp_path / "out"
+    run(RunConfig(corpus=corpus, out=out, limit=1, progress="none"))
+    job_file = out / ".cosybatch" / "job.json"
+    record = json.loads(job_file.read_text())
+    assert record["fingerprint"]["engine"]["device"] == "cpu"
+    record["fingerprint"]["engine"]["device"] = "cuda"
+    job_file.write_text(json.dumps(record))
+    with pytest.raises(ResumeMismatchError, match=r"engine\.device was 'cuda', now 'cpu'"):
+        run(RunConfig(corpus=corpus, out=out, progress="none"))

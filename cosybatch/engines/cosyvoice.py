@@ -20,8 +20,7 @@ import numpy as np
 from ..checkpoint import file_fingerprint
 from ..errors import UsageError
 from ..plan import Unit
-from . import EngineOptions, Prepared, RowRejected, Synthesised, VoiceRequest
-from .piper import item_seed
+from . import Engine, EngineOptions, MemoryPlan, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
 
 # GPU memory: what the pool leaves outside torch (cuDNN workspaces, the CUDA context's growth,
 # onnxruntime's speech tokenizer), and onnxruntime's own cap within it.
@@ -44,9 +43,46 @@ class Segment:
     seed: int
 
 
-class CosyVoiceEngine:
+@dataclass(frozen=True)
+class CosyVoiceOptions:
+    model: Optional[Path] = None
+    """The model folder as downloaded (e.g. pretrained_models/CosyVoice2-0.5B); required."""
+    speaker: Optional[str] = None
+    """An SFT speaker of spk2info.pt, the default voice."""
+    prompt_wav: Optional[Path] = None
+    """Default zero-shot prompt audio (at most 30 s); rows may give their own prompt_wav."""
+    prompt_text: Optional[str] = None
+    """What prompt_wav says (without it the prompt only sets the voice, as upstream's cross-lingual mode)."""
+    prompt_dir: Optional[Path] = None
+    """A folder (besides the corpus file's own) that rows' prompt_wav paths may point into."""
+    precision: str = "fp32"
+    """fp32, or bf16/fp16 autocast for the LM and flow on CUDA."""
+    max_segment_tokens: int = MAX_SEGMENT_TOKENS
+    """Text tokens per LM segment (upstream packs about 80)."""
+    flow_batch: Optional[int] = None
+    """Items per flow call; unset: the LM batch."""
+    hift_batch: Optional[int] = None
+    """Items per vocoder call; unset: the LM batch."""
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
+
+
+class CosyVoiceEngine(Engine):
     name = "cosyvoice"
+    Options = CosyVoiceOptions
     multi_voice = True
+    zero_shot = True
+    needs_torch_allocator = True
+    voice_column_fallback = "speaker"  # its voices are SFT speakers
+
+    @classmethod
+    def check(cls, voice: Optional[str], options: EngineOptions) -> dict:
+        opts: CosyVoiceOptions = options.engine
+        return check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text)
 
     def __init__(self, voice: Optional[str], options: EngineOptions):
         import torch
@@ -57,24 +93,14 @@ class CosyVoiceEngine:
         from ..cosyvoice.text import QwenTextTokenizer, normalize
         from ..cosyvoice.token2wav import Token2Wav
 
-        extra = dict(options.extra)
-        model = extra.pop("model", None)
-        speaker = extra.pop("speaker", None) or voice
-        prompt_wav = extra.pop("prompt_wav", None)
-        prompt_text = extra.pop("prompt_text", None) or ""
-        precision = extra.pop("precision", "fp32")
-        memory_fraction = float(extra.pop("memory_fraction", 0.9))
-        self.corpus_dir = Path(extra.pop("corpus_dir", None) or ".")
-        prompt_dir = extra.pop("prompt_dir", None)
-        self.prompt_dir = Path(prompt_dir) if prompt_dir else None
-        extra.pop("allow_paths", None)
-        self.max_segment_tokens = int(extra.pop("max_segment_tokens", MAX_SEGMENT_TOKENS))
-        self.flow_batch = extra.pop("flow_batch", None)
-        self.hift_batch = extra.pop("hift_batch", None)
-        if extra:
-            raise UsageError(f"unknown CosyVoice engine options: {sorted(extra)}")
-        if model is None:
-            raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
+        opts: CosyVoiceOptions = options.engine
+        model, precision = opts.model, opts.precision
+        speaker = opts.speaker or voice
+        prompt_wav, prompt_text = opts.prompt_wav, opts.prompt_text or ""
+        self.corpus_dir = Path(options.corpus_dir)
+        self.prompt_dir = opts.prompt_dir
+        self.max_segment_tokens = opts.max_segment_tokens
+        self.flow_batch, self.hift_batch = opts.flow_batch, opts.hift_batch
 
         cuda = torch.cuda.is_available()
         if options.device == "cuda" and not cuda:
@@ -126,7 +152,7 @@ class CosyVoiceEngine:
         self.pool_info: Optional[dict] = None
         self.probed_budget: Optional[int] = None
         if self.device == "cuda":
-            self._set_up_memory(memory_fraction)
+            self._set_up_memory(options.memory_fraction)
 
     def _set_up_memory(self, fraction: float) -> None:
         """Cap and pre-allocate torch's pool, then size the batch budget from a warm-up probe."""
@@ -172,7 +198,6 @@ class CosyVoiceEngine:
     def describe(self) -> dict:
         s = self.sampling
         return {
-            "engine": self.name,
             "model": self.model_dir.name,
             "model_files": self._files,
             "sample_rate": self.sample_rate,
@@ -181,6 +206,9 @@ class CosyVoiceEngine:
             "sampling": {"top_p": s.top_p, "top_k": s.top_k, "win_size": s.win_size, "tau_r": s.tau_r},
             "max_segment_tokens": self.max_segment_tokens,
         }
+
+    def memory_plan(self) -> MemoryPlan:
+        return MemoryPlan(self.probed_budget, self.pool_info)
 
     def batch_defaults(self) -> tuple[int, int]:
         """(units per batch, padded cost per unit): batching pays on GPU only (measured on CPU: no gain)."""

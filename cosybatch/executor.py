@@ -1,0 +1,256 @@
+"""One batch path for `run` and `ray-run`: engines by voice, batch sizing from the engine, the
+budget guard, out-of-memory split-and-retry, rows cut into pieces and put back together, and
+rendering a finished row into tar members and a manifest record."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import __version__
+from .config import RunConfig, cpu_count
+from .corpus import Row
+from .engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
+from .errors import CosybatchError
+from .plan import Batch, BudgetGuard, Unit, plan_batches
+from .shards import item_key, wav_bytes
+
+log = logging.getLogger("cosybatch")
+
+
+@dataclass
+class PendingRow:
+    row: Row
+    text: str  # what is spoken: the row's text after the engine's normalisation
+    voice: str  # the engine's key in EngineSet
+    parts: list  # audio per piece, filled in by finished batches
+    remaining: int
+    error: Optional[str] = None
+    label: Optional[str] = None  # the row's voice for the manifest (multi-voice engines)
+
+
+@dataclass
+class Outcome:
+    batch: Batch
+    audio: list  # per unit: np.ndarray, or an error string
+    real_frames: int = 0
+    padded_frames: int = 0
+    infer_s: float = 0.0
+    oom_retries: int = 0
+
+
+def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
+    """A row's sentences joined in order (with --sentence-silence between), peak-normalised."""
+    if len(parts) == 1:
+        audio = parts[0]
+    else:
+        gap = np.zeros(round(cfg.sentence_silence * sample_rate), dtype=np.float32)
+        pieces = []
+        for i, part in enumerate(parts):
+            if i:
+                pieces.append(gap)
+            pieces.append(part)
+        audio = np.concatenate(pieces)
+    if cfg.normalize:
+        peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
+        audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
+    return audio
+
+
+def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig,
+                voice: Optional[str] = None) -> tuple[str, dict, dict]:
+    """A finished row -> (shard key, tar members {ext: bytes}, manifest record). `voice` is the
+    row's own voice when the engine serves several (fixed when the row was prepared)."""
+    audio = assemble_audio(parts, engine.sample_rate, cfg)
+    key = item_key(row.id)
+    voice = voice or engine.voice_name
+    meta = {
+        "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
+        "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": voice,
+        "engine": engine.name, "seed": cfg.seed, "row": row.index,
+        "settings": {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence,
+                     "normalize": cfg.normalize, "cosybatch": __version__},
+    }
+    if text != row.text:
+        meta["source_text"] = row.text
+    members = {"wav": wav_bytes(audio, engine.sample_rate), "json": json.dumps(meta, ensure_ascii=False).encode()}
+    record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
+              "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate,
+              "source": source_hash(row)}
+    return key, members, record
+
+
+def source_hash(row: Row) -> str:
+    """What a row asked for (text, voice, prompt): a later corpus whose row differs is reported."""
+    fields = json.dumps([row.text, row.voice, row.prompt_wav, row.prompt_text], ensure_ascii=False)
+    return hashlib.blake2b(fields.encode(), digest_size=8).hexdigest()
+
+
+def run_batch(engine: Engine, batch: Batch, guard: Optional[BudgetGuard] = None) -> Outcome:
+    """Synthesise one batch, never letting one unit or an out-of-memory error end the job.
+
+    Out of memory: the batch is split in halves and each is retried (recursively), and `guard`
+    lowers the budget of that length range for the rest of the run. A unit that runs out of
+    memory alone fails its row with the reason. Any other error: each unit is retried alone, so
+    one bad unit fails only its own row."""
+    from .gpu import is_oom
+
+    t = time.monotonic()
+    outcome = Outcome(batch, [None] * len(batch.units))
+
+    def attempt(indices: list[int]) -> None:
+        units = tuple(batch.units[i] for i in indices)
+        error = None
+        try:
+            syn = engine.synthesize(units)
+            if len(syn.audio) != len(units):
+                raise RuntimeError(f"the engine returned {len(syn.audio)} results for {len(units)} pieces")
+        except Exception as exc:
+            # Keep only the message: the traceback holds the failed call's frames, and with them
+            # its (GPU) tensors, which the retries below need freed.
+            error, oom = repr(exc), is_oom(exc)
+            exc.__traceback__ = None
+            del exc
+        if error is None:
+            for i, audio in zip(indices, syn.audio, strict=True):
+                outcome.audio[i] = audio
+            outcome.real_frames += syn.real_frames
+            outcome.padded_frames += syn.padded_frames
+        elif oom and len(indices) > 1:
+            outcome.oom_retries += 1
+            if guard is not None:
+                guard.shrink(Batch(batch.seq, units))
+            log.warning("out of memory on a batch of %d (padded cost %d); retrying it in halves",
+                        len(units), len(units) * max(u.cost for u in units))
+            half = len(indices) // 2
+            attempt(indices[:half])
+            attempt(indices[half:])
+        elif len(indices) > 1:
+            for i in indices:
+                attempt([i])
+        elif oom:
+            outcome.audio[indices[0]] = (f"out of memory even alone (a piece of cost {units[0].cost}): {error}; "
+                                         "split the row into shorter ones or give the job more GPU memory")
+        else:
+            outcome.audio[indices[0]] = f"synthesis failed: {error}"
+
+    attempt(list(range(len(batch.units))))
+    outcome.infer_s = time.monotonic() - t
+    return outcome
+
+
+class EngineSet:
+    """Engines by voice, opened on first use: one shared instance for a `multi_voice` engine, one
+    per voice otherwise. A voice that fails to load fails its rows, not the job."""
+
+    def __init__(self, cfg: RunConfig, device: Optional[str] = None):
+        self.cfg = cfg
+        self.device = device
+        self.cls = cfg.engine_class()
+        self.by_voice: dict[str, Engine] = {}
+        self.errors: dict[str, str] = {}
+
+    def get(self, voice: Optional[str], from_row: bool) -> Engine:
+        if self.cls.multi_voice and "" in self.by_voice:
+            return self.by_voice[""]  # one instance serves every voice
+        key = "" if self.cls.multi_voice else voice or ""
+        if key in self.by_voice:
+            return self.by_voice[key]
+        if key in self.errors:
+            raise RowRejected(self.errors[key])
+        try:
+            engine = open_engine(self.cfg.engine, voice, self.cfg.engine_options_for(self.device, not from_row))
+        except CosybatchError as exc:
+            if not from_row:
+                raise
+            self.errors[key] = str(exc)
+            raise RowRejected(str(exc)) from None
+        self.by_voice[key] = engine
+        return engine
+
+    def prepare(self, row: Row) -> tuple[str, Prepared]:
+        """Open (or reuse) the engine for the row's voice and prepare the row; returns the batch
+        group (rows of one group may share a batch) and the prepared row. Raises RowRejected."""
+        voice = row.voice or self.cfg.voice
+        engine = self.get(voice, from_row=row.voice is not None)
+        from_row = row.voice is not None or row.prompt_wav is not None
+        request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, from_row)
+        if row.prompt_wav is not None and not self.cls.zero_shot:
+            raise RowRejected(f"engine {self.cls.name!r} takes no prompt audio; drop the prompt_wav column "
+                              "or choose an engine that clones voices")
+        return ("" if self.cls.multi_voice else voice or ""), engine.prepare(row.text, row.id, request)
+
+
+@dataclass
+class BatchPolicy:
+    """How big batches are, from the engine's defaults, its GPU probe and the user's limits; the
+    guard lowers a length range's budget after an out-of-memory error."""
+
+    batch_size: int
+    batch_budget: int
+    workers: int
+    guard: BudgetGuard
+
+    @classmethod
+    def for_engine(cls, cfg: RunConfig, engine: Engine, workers: Optional[int] = None) -> BatchPolicy:
+        size, per_item = engine.batch_defaults()
+        batch_size = cfg.batch_size or size
+        workers = workers or cfg.workers or (cpu_count() if engine.device == "cpu" else 2)
+        probed = engine.memory_plan().probed_budget  # sized to the GPU pool; workers share it
+        budget = cfg.batch_budget or (max(1, probed // workers) if probed else None) or batch_size * per_item
+        return cls(batch_size, budget, workers, BudgetGuard(budget))
+
+    def plan(self, units: list[Unit], first_seq: int = 0) -> list[Batch]:
+        return plan_batches(units, self.batch_size, self.guard, first_seq=first_seq)
+
+
+class RowAssembler:
+    """Rows in flight: each cut into units for the planner, put back together as batches finish."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, PendingRow] = {}
+        self.lock = threading.Lock()
+        self._next_key = 0
+
+    def add(self, row: Row, prepared: Prepared, group: str) -> list[Unit]:
+        key, self._next_key = self._next_key, self._next_key + 1
+        with self.lock:
+            self.rows[key] = PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
+                                        len(prepared.costs), label=prepared.voice)
+        return [Unit(key, part, cost, group, payload)
+                for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+
+    def take(self, outcome: Outcome) -> list[PendingRow]:
+        """Put a finished batch's audio (or errors) into its rows; returns the rows now whole, in file order."""
+        finished = []
+        with self.lock:
+            for unit, audio in zip(outcome.batch.units, outcome.audio, strict=True):
+                pending = self.rows[unit.row_key]
+                if isinstance(audio, str):
+                    pending.error = pending.error or audio
+                else:
+                    pending.parts[unit.part] = audio
+                pending.remaining -= 1
+                if pending.remaining == 0:
+                    finished.append(self.rows.pop(unit.row_key))
+        return sorted(finished, key=lambda p: p.row.index)
+
+
+def render_rows(finished: list[PendingRow], engines: EngineSet, cfg: RunConfig) -> tuple[list, list[dict]]:
+    """Whole rows -> ([(key, members, record)], [failure records])."""
+    items, failures = [], []
+    for pending in finished:
+        row = pending.row
+        if pending.error:
+            failures.append({"id": row.id, "row": row.index, "reason": pending.error})
+        else:
+            items.append(render_item(row, pending.text, pending.parts, engines.by_voice[pending.voice], cfg,
+                                     pending.label))
+    return items, failures
