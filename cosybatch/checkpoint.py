@@ -205,7 +205,8 @@ class Journal:
                 if not line.endswith(b"\n"):
                     break
                 try:
-                    json.loads(line)
+                    if not _well_formed(json.loads(line)):
+                        break
                 except ValueError:
                     break
                 records += 1
@@ -221,9 +222,12 @@ class Journal:
                 if not line.endswith(b"\n"):
                     return
                 try:
-                    yield json.loads(line)
+                    record = json.loads(line)
                 except ValueError:
                     return
+                if not _well_formed(record):
+                    return
+                yield record
 
     def append(self, record: dict) -> None:
         self._file.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
@@ -286,8 +290,8 @@ class OutputDir:
             diffs = _differences(old, fingerprint)
             corpus_only = bool(diffs) and all(d.startswith("corpus.") for d in diffs)
             if corpus_only and allow_corpus_change:
-                history = [*recorded.get("corpus_history", []),
-                           {"changed": time.time(), "was": old.get("corpus"), "now": fingerprint.get("corpus")}]
+                history = [*recorded.get("corpus_history", []), {"changed": time.time(), "was": old.get("corpus"),
+                                                                 "now": fingerprint.get("corpus"), "reported": False}]
                 write_atomic(self.job_file, json_bytes({**recorded, "fingerprint": fingerprint,
                                                         "corpus_history": history}))
                 return old.get("corpus") or {}
@@ -312,6 +316,18 @@ class OutputDir:
         write_atomic(self.job_file, json_bytes({"format": JOB_FORMAT, "created": time.time(),
                                                 "fingerprint": fingerprint}))
         return None
+
+    def unreported_corpus_change(self) -> Optional[dict]:
+        """The corpus the job had before a change whose corpus_changes.jsonl was not written yet
+        (the run that accepted the change was interrupted), else None."""
+        history = (self.recorded() or {}).get("corpus_history") or []
+        return (history[-1].get("was") or {}) if history and history[-1].get("reported") is False else None
+
+    def corpus_change_reported(self) -> None:
+        recorded = self.recorded()
+        if recorded and recorded.get("corpus_history"):
+            recorded["corpus_history"][-1]["reported"] = True
+            write_atomic(self.job_file, json_bytes(recorded))
 
     def clear(self) -> None:
         """Delete only what cosybatch writes: shards, manifest, failures, stats, exports, job state."""
@@ -373,6 +389,28 @@ class OutputDir:
         if failures or path.exists():
             write_atomic(path, jsonl_bytes(failures))
         return len(failures)
+
+
+_FIELDS = {"items": {"shard": int, "end": int, "items": list}, "failed": {"items": list},
+           "closed": {"shard": int}, "lost": {"shard": int, "end": int, "ids": list}, "retry_failures": {}}
+_ITEM_FIELDS = {"id": str, "duration_s": (int, float)}
+
+
+def _well_formed(record) -> bool:
+    """A journal line a replay can trust: a known kind with its fields of the right types. A line
+    that parses as JSON but is not one (a flipped bit in a key) counts as damaged, like one that
+    does not parse."""
+    if not isinstance(record, dict) or record.get("t") not in _FIELDS:
+        return False
+    fields = _FIELDS[record["t"]]
+    if not all(isinstance(record.get(k), kind) and not isinstance(record.get(k), bool) for k, kind in fields.items()):
+        return False
+    if record["t"] == "items":
+        return all(isinstance(i, dict) and all(isinstance(i.get(k), kind) for k, kind in _ITEM_FIELDS.items())
+                   for i in record["items"])
+    if record["t"] == "failed":
+        return all(isinstance(i, dict) and "id" in i and isinstance(i.get("row"), int) for i in record["items"])
+    return True
 
 
 def _shard_index(name: str) -> Optional[int]:

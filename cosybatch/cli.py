@@ -3,6 +3,7 @@ it imports no engine (so no onnxruntime, torch or CUDA) until a run starts."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
@@ -12,7 +13,6 @@ from typing import Optional
 import typer
 
 from .config import RunConfig
-from .engines import DEFAULT_ENGINE
 from .errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
@@ -49,76 +49,79 @@ def _root(
 NOT_IN_SPECS = ("ctx", "job", "check")
 # Flags kept from before --engine-opt: each sets the engine option of the same name (after
 # --engine-opt, which they override); an engine without that option refuses it, naming the key.
-ENGINE_OPTION_ALIASES = ("voice_dir", "speaker", "model", "prompt_wav", "prompt_text", "prompt_dir", "precision",
-                         "noise_scale", "length_scale", "noise_w")
+ENGINE_OPTION_ALIASES = {
+    "voice_dir": (Path, "Alias of --engine-opt voice_dir=DIR: voices NAME.onnx + NAME.onnx.json that corpus rows "
+                        "may name."),
+    "speaker": (str, "Alias of --engine-opt speaker=NAME: a speaker of a multi-speaker voice."),
+    "model": (Path, "Alias of --engine-opt model=DIR: the model folder as downloaded."),
+    "prompt_wav": (Path, "Alias of --engine-opt prompt_wav=PATH: default zero-shot prompt audio."),
+    "prompt_text": (str, "Alias of --engine-opt prompt_text=TEXT: what the prompt audio says."),
+    "prompt_dir": (Path, "Alias of --engine-opt prompt_dir=DIR: a folder rows' prompt_wav paths may point into."),
+    "precision": (str, "Alias of --engine-opt precision=fp32|bf16|fp16."),
+    "noise_scale": (float, "Alias of --engine-opt noise_scale=X."),
+    "length_scale": (float, "Alias of --engine-opt length_scale=X."),
+    "noise_w": (float, "Alias of --engine-opt noise_w=X."),
+}
+# RunConfig fields the command line spells differently; every other field is `--field-name`,
+# with its type, default and docstring taken from RunConfig itself.
+FROM_OTHER_FLAGS = ("corpus", "shard_index", "shard_count", "max_runtime", "shard_max_bytes", "export",
+                    "engine_options")
+FLAG_DECLS = {"out": ("--out", "-o"), "restart": ("--restart",), "allow_corpus_change": ("--allow-corpus-change",)}
+HELP_SUFFIX = {"out": " [default: out/CORPUS-STEM]"}
 
 
-@app.command(epilog=EXIT_CODES_HELP)
-def run(
-    ctx: typer.Context,
-    corpus: Optional[Path] = typer.Argument(None, help=D["corpus"] + " (or `corpus` in --job)", show_default=False),
-    job: Optional[Path] = typer.Option(None, "--job", help="TOML or YAML file holding any of these options; "
-                                       "flags given here override it."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help=D["out"] + " [default: out/CORPUS-STEM]"),
-    format: Optional[str] = typer.Option(None, "--format", help=D["format"]),
-    id_col: Optional[str] = typer.Option(None, help=D["id_col"]),
-    text_col: str = typer.Option("text", help=D["text_col"]),
-    voice_col: Optional[str] = typer.Option(None, help=D["voice_col"]),
-    engine: str = typer.Option(DEFAULT_ENGINE, help=D["engine"]),
-    voice: Optional[str] = typer.Option(None, help=D["voice"]),
-    engine_opt: Optional[list[str]] = typer.Option(None, "--engine-opt", help="An engine setting KEY=VALUE "
-                                                   "(repeatable); `[engine_options]` in a job spec."),
-    voice_dir: Optional[Path] = typer.Option(None, help="Alias of --engine-opt voice_dir=DIR: voices "
-                                             "NAME.onnx + NAME.onnx.json that corpus rows may name."),
-    speaker: Optional[str] = typer.Option(None, help="Alias of --engine-opt speaker=NAME: a speaker of a "
-                                          "multi-speaker voice."),
-    model: Optional[Path] = typer.Option(None, help="Alias of --engine-opt model=DIR: the model "
-                                         "folder as downloaded."),
-    prompt_wav: Optional[Path] = typer.Option(None, help="Alias of --engine-opt prompt_wav=PATH: "
-                                              "default zero-shot prompt audio."),
-    prompt_text: Optional[str] = typer.Option(None, help="Alias of --engine-opt prompt_text=TEXT: "
-                                              "what the prompt audio says."),
-    prompt_dir: Optional[Path] = typer.Option(None, help="Alias of --engine-opt prompt_dir=DIR: a "
-                                              "folder rows' prompt_wav paths may point into."),
-    precision: Optional[str] = typer.Option(None, help="Alias of --engine-opt precision=fp32|bf16|fp16."),
-    memory_fraction: float = typer.Option(0.9, help=D["memory_fraction"]),
-    device: str = typer.Option("auto", help=D["device"]),
-    batch_size: Optional[int] = typer.Option(None, help=D["batch_size"]),
-    batch_budget: Optional[int] = typer.Option(None, help=D["batch_budget"]),
-    workers: Optional[int] = typer.Option(None, help=D["workers"]),
-    threads: int = typer.Option(1, help=D["threads"]),
-    window: int = typer.Option(20000, help=D["window"]),
-    seed: int = typer.Option(0, help=D["seed"]),
-    noise_scale: Optional[float] = typer.Option(None, help="Alias of --engine-opt noise_scale=X."),
-    length_scale: Optional[float] = typer.Option(None, help="Alias of --engine-opt length_scale=X."),
-    noise_w: Optional[float] = typer.Option(None, help="Alias of --engine-opt noise_w=X."),
-    sentence_silence: float = typer.Option(0.0, help=D["sentence_silence"]),
-    normalize: bool = typer.Option(True, "--normalize/--no-normalize", help=D["normalize"]),
-    shard_max_items: int = typer.Option(1000, help=D["shard_max_items"]),
-    shard_max_mb: float = typer.Option(256.0, help="Close a shard once it reaches this many MiB."),
-    limit: Optional[int] = typer.Option(None, help=D["limit"]),
-    max_chars: int = typer.Option(20000, help=D["max_chars"]),
-    max_runtime: Optional[str] = typer.Option(None, help=D["max_runtime"] + " Accepts 90, 90s, 30m, 2h."),
-    max_failures: Optional[str] = typer.Option(None, help=D["max_failures"]),
-    shard: Optional[str] = typer.Option(None, help="Run worker I of N (I/N), writing OUT/part-IIIII-of-NNNNN. "
-                                        "N alone takes I from JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID."),
-    metrics_file: Optional[Path] = typer.Option(None, help=D["metrics_file"]),
-    pushgateway: Optional[str] = typer.Option(None, help=D["pushgateway"]),
-    export: Optional[str] = typer.Option(None, help="Comma-separated dataset formats to write at the end: "
-                                         "hf, nemo, lhotse."),
-    restart: bool = typer.Option(False, "--restart", help=D["restart"]),
-    allow_corpus_change: bool = typer.Option(False, "--allow-corpus-change", help=D["allow_corpus_change"]),
-    progress: str = typer.Option("auto", help=D["progress"]),
-    log_every: float = typer.Option(30.0, help=D["log_every"]),
-    check: bool = typer.Option(False, "--check", help="Check the options, job spec, corpus columns and voice, "
-                               "print the resolved settings as JSON, and exit without synthesising."),
-) -> None:
+def _option(name: str, annotation, default, help: str, decls=(), metavar=None) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, *decls, help=help, metavar=metavar))
+
+
+def _run_parameters() -> list[inspect.Parameter]:
+    """The `run` command's parameters: RunConfig's fields, then the flags that build the rest."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(RunConfig)
+    params = [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+        inspect.Parameter("corpus", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[Path],
+                          default=typer.Argument(None, help=D["corpus"] + " (or `corpus` in --job)",
+                                                 show_default=False)),
+        _option("job", Optional[Path], None, "TOML or YAML file holding any of these options; flags given here "
+                "override it.", ("--job",)),
+    ]
+    for f in dataclasses.fields(RunConfig):
+        if f.name in FROM_OTHER_FLAGS:
+            continue
+        annotation = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name == "out":
+            annotation, default = Optional[Path], None  # from the corpus name when unset
+        params.append(_option(f.name, annotation, default, D[f.name] + HELP_SUFFIX.get(f.name, ""),
+                              FLAG_DECLS.get(f.name, ())))
+    params += [
+        _option("engine_opt", Optional[list[str]], None, "An engine setting KEY=VALUE (repeatable); "
+                "`[engine_options]` in a job spec. `cosybatch engines` lists each engine's.", ("--engine-opt",),
+                "KEY=VALUE"),
+        *(_option(name, Optional[kind], None, help) for name, (kind, help) in ENGINE_OPTION_ALIASES.items()),
+        _option("shard", Optional[str], None, "Run worker I of N (I/N), writing OUT/part-IIIII-of-NNNNN. N alone "
+                "takes I from JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID."),
+        _option("max_runtime", Optional[str], None, D["max_runtime"] + " Accepts 90, 90s, 30m, 2h."),
+        _option("shard_max_mb", float, 256.0, "Close a shard once it reaches this many MiB."),
+        _option("export", Optional[str], None, "Comma-separated dataset formats to write at the end: hf, nemo, "
+                "lhotse."),
+        _option("check", bool, False, "Check the options, job spec, corpus columns and voice, print the resolved "
+                "settings as JSON, and exit without synthesising.", ("--check",)),
+    ]
+    return params
+
+
+def run(ctx: typer.Context, **values) -> None:
     """Synthesise every row of CORPUS into WAV shards under --out; rerun to resume.
 
     The last line on stdout is a one-line JSON summary.
     """
     _setup_logging()
-    values = {k: v for k, v in locals().items() if k not in NOT_IN_SPECS}
+    job, check = values.pop("job"), values.pop("check")
     try:
         if job is not None:
             values.update(_spec_values(ctx, job))
@@ -146,21 +149,28 @@ def run(
     raise typer.Exit(result.exit_code)
 
 
+run.__signature__ = inspect.Signature(_run_parameters())
+app.command(epilog=EXIT_CODES_HELP)(run)
+
+
 def _spec_values(ctx: typer.Context, job: Path) -> dict:
     """Spec values for every option not given on the command line, checked against the type of
     the matching flag."""
     import difflib
-    import typing
 
     from .jobspec import load_job_spec
 
-    hints = {k: v for k, v in typing.get_type_hints(run).items() if k not in NOT_IN_SPECS and k != "return"}
+    hints = {name: p.annotation for name, p in inspect.signature(run).parameters.items() if name not in NOT_IN_SPECS}
     values = {}
+    spec_options: dict = {}
     for key, value in load_job_spec(job).items():
         if key == "engine_options":  # the engine's own table; its keys are checked by the engine
             if not isinstance(value, dict):
                 raise UsageError(f"--job {job}: engine_options must be a table of KEY = value")
-            values[key] = value
+            spec_options.update(value)
+            continue
+        if key in ENGINE_OPTION_ALIASES:  # a spec's alias keys are its engine options; flags override both
+            spec_options.setdefault(key, value)
             continue
         if key not in hints:
             close = difflib.get_close_matches(key, hints, n=1)
@@ -172,6 +182,8 @@ def _spec_values(ctx: typer.Context, job: Path) -> dict:
         if key == "export" and isinstance(value, list):
             value = ",".join(map(str, value))
         values[key] = _typed(job, key, value, hints[key])
+    if spec_options:
+        values["engine_options"] = spec_options
     return values
 
 
@@ -221,33 +233,32 @@ def _build_config(v: dict) -> RunConfig:
                      export=export, shard_max_bytes=shard_max_bytes, engine_options=options)
 
 
-@app.command("ray-run", epilog=EXIT_CODES_HELP)
-def ray_run_cmd(
-    ctx: typer.Context,
-    corpus: Optional[Path] = typer.Argument(None, help=D["corpus"] + " (or `corpus` in --job)", show_default=False),
-    job: Optional[Path] = typer.Option(None, "--job", help="A `cosybatch run` job spec; flags here override it."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help=D["out"] + " [default: out/CORPUS-STEM]"),
-    voice: Optional[str] = typer.Option(None, help=D["voice"]),
-    batch_size: Optional[int] = typer.Option(None, help=D["batch_size"]),
-    seed: int = typer.Option(0, help=D["seed"]),
-    restart: bool = typer.Option(False, "--restart", help=D["restart"]),
-    progress: str = typer.Option("auto", help=D["progress"]),
-    address: Optional[str] = typer.Option(None, help="Ray cluster: unset starts a local one; 'auto' joins the "
-                                          "running one; or ray://HOST:10001."),
-    actors: int = typer.Option(2, help="Actors in the pool, each holding one engine."),
-    num_gpus: float = typer.Option(0.0, help="GPUs per actor."),
-    num_cpus: float = typer.Option(1.0, help="CPUs per actor."),
-    rows_per_task: int = typer.Option(64, help="Rows per actor call; each call writes one tar shard."),
-) -> None:
+# The `run` options ray-run takes on its command line (a job spec may hold any; ray-run refuses
+# those it cannot honour), declared once: in RunConfig.
+RAY_RUN_SHARED = ("corpus", "out", "voice", "engine", "engine_opt", "batch_size", "seed", "restart", "progress")
+RAY_FLAGS = ("address", "actors", "num_gpus", "num_cpus", "rows_per_task")
+
+
+def _ray_run_parameters() -> list[inspect.Parameter]:
+    shared = {p.name: p for p in _run_parameters()}
+    job = _option("job", Optional[Path], None, "A `cosybatch run` job spec; flags here override it.", ("--job",))
+    return [shared["ctx"], shared["corpus"], job, *(shared[name] for name in RAY_RUN_SHARED[1:]),
+            _option("address", Optional[str], None, "Ray cluster: unset starts a local one; 'auto' joins the "
+                    "running one; or ray://HOST:10001."),
+            _option("actors", int, 2, "Actors in the pool, each holding one engine."),
+            _option("num_gpus", float, 0.0, "GPUs per actor."),
+            _option("num_cpus", float, 1.0, "CPUs per actor."),
+            _option("rows_per_task", int, 64, "Rows per actor call; each call writes one tar shard.")]
+
+
+def ray_run_cmd(ctx: typer.Context, **given) -> None:
     """Run the job on a Ray cluster: Ray Data reads the corpus, an actor pool synthesises it.
 
     Same engines, shard format, manifest and stats as `cosybatch run`; rerun to resume.
     """
     _setup_logging()
-    ray_flags = {"address": address, "actors": actors, "num_gpus": num_gpus, "num_cpus": num_cpus,
-                 "rows_per_task": rows_per_task}
-    given = {k: v for k, v in locals().items() if k in ("corpus", "out", "voice", "batch_size", "seed", "restart",
-                                                        "progress")}
+    ray_flags = {name: given.pop(name) for name in RAY_FLAGS}
+    job = given.pop("job")
     try:
         from .ray_run import RayOptions
         from .ray_run import ray_run as run_on_ray
@@ -272,9 +283,11 @@ def ray_run_cmd(
     raise typer.Exit(result.exit_code)
 
 
-def _run_defaults() -> dict:
-    import inspect
+ray_run_cmd.__signature__ = inspect.Signature(_ray_run_parameters())
+app.command("ray-run", epilog=EXIT_CODES_HELP)(ray_run_cmd)
 
+
+def _run_defaults() -> dict:
     return {name: p.default.default if hasattr(p.default, "default") else p.default
             for name, p in inspect.signature(run).parameters.items() if name not in NOT_IN_SPECS}
 

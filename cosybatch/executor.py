@@ -185,7 +185,11 @@ class EngineSet:
         if row.prompt_wav is not None and not self.cls.zero_shot:
             raise RowRejected(f"engine {self.cls.name!r} takes no prompt audio; drop the prompt_wav column "
                               "or choose an engine that clones voices")
-        return ("" if self.cls.multi_voice else voice or ""), engine.prepare(row.text, row.id, request)
+        prepared = engine.prepare(row.text, row.id, request)
+        if not prepared.costs or len(prepared.costs) != len(prepared.payloads):
+            raise RowRejected(f"engine {self.cls.name!r} cut the row into {len(prepared.costs)} pieces with "
+                              f"{len(prepared.payloads)} payloads; an engine rejects a row it cannot speak")
+        return ("" if self.cls.multi_voice else voice or ""), prepared
 
 
 @dataclass

@@ -194,6 +194,29 @@ def job_fingerprint(cfg: RunConfig, corpus: Corpus, engine: dict, runner: Option
     }
 
 
+def adopt_legacy_fingerprint(out: OutputDir, cfg: RunConfig, corpus: Corpus, fingerprint: dict) -> None:
+    """Jobs started by an older cosybatch recorded a hash of the corpus's first and last MiB only,
+    no device and no corpus format. Where what was recorded still matches, the record is brought
+    up to date, so an upgrade never asks for --allow-corpus-change or --restart."""
+    recorded = out.recorded() if not cfg.restart else None
+    if recorded is None:
+        return
+    old = recorded.get("fingerprint", {})
+    changed = []
+    was = old.get("corpus") or {}
+    if "sha256_head_tail" in was and was == {"name": corpus.path.name, **file_fingerprint(corpus.path)}:
+        old["corpus"] = fingerprint["corpus"]
+        changed.append("the corpus fingerprint now covers the whole file")
+    for part, key in (("engine", "device"), ("columns", "format")):
+        have, new = old.get(part) or {}, fingerprint[part]
+        if key not in have and have == {k: v for k, v in new.items() if k != key}:
+            old[part] = new
+            changed.append(f"{part}.{key} ({new[key]}) is recorded from now on")
+    if changed:
+        write_atomic(out.job_file, json_bytes(recorded))
+        log.info("%s: %s", cfg.out, "; ".join(changed))
+
+
 def _corpus_diff(was: dict, now: dict) -> list[str]:
     return [f"{k} was {was.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(was) | set(now))
             if was.get(k) != now.get(k)]
@@ -257,7 +280,7 @@ class _Job:
         self.default_engine = default
 
         fingerprint = job_fingerprint(cfg, corpus, default.fingerprint())
-        self._adopt_legacy_fingerprint(corpus, fingerprint)
+        adopt_legacy_fingerprint(self.out, cfg, corpus, fingerprint)
         was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
         self.journal = Journal(self.out.journal_path)
         self.repairs = repair(self.out, self.journal)
@@ -271,6 +294,7 @@ class _Job:
         self.stats.previous_items_failed = state.failures
         self.stats.previous_audio_s = state.audio_s
         self.committed_sources = None
+        was = was or self.out.unreported_corpus_change()  # also after an interrupted first run
         if was:  # the corpus changed and --allow-corpus-change accepts it: compare the committed rows
             self.committed_sources = {item["id"]: item.get("source") for item in self.out.live_items(ledger)}
             log.warning("the corpus changed since this job started (%s); committed ids are kept, new ids are "
@@ -326,27 +350,6 @@ class _Job:
             self.committer.finish(interrupted=True)
             raise error
         return self._finish()
-
-    def _adopt_legacy_fingerprint(self, corpus: Corpus, fingerprint: dict) -> None:
-        """Jobs started by an older cosybatch recorded a hash of the corpus's first and last MiB
-        only, and no device. Where what was recorded still matches, the record is brought up to
-        date, so an upgrade never asks for --allow-corpus-change or --restart."""
-        recorded = self.out.recorded() if not self.cfg.restart else None
-        if recorded is None:
-            return
-        old = recorded.get("fingerprint", {})
-        changed = []
-        was = old.get("corpus") or {}
-        if "sha256_head_tail" in was and was == {"name": corpus.path.name, **file_fingerprint(corpus.path)}:
-            old["corpus"] = fingerprint["corpus"]
-            changed.append("the corpus fingerprint now covers the whole file")
-        engine = old.get("engine") or {}
-        if "device" not in engine and engine == {k: v for k, v in fingerprint["engine"].items() if k != "device"}:
-            old["engine"] = fingerprint["engine"]
-            changed.append(f"the device ({fingerprint['engine']['device']}) is recorded from now on")
-        if changed:
-            write_atomic(self.out.job_file, json_bytes(recorded))
-            log.info("%s: %s", self.cfg.out, "; ".join(changed))
 
     # -- inference threads -------------------------------------------------------------------
     def _infer_loop(self, work: queue.Queue, results: queue.Queue) -> None:
@@ -487,6 +490,7 @@ class _Job:
                          "detail": "not in the corpus any more; its committed audio was kept"}
                         for i in self.committed_sources if i not in self.gate.still_there]
         write_atomic(self.cfg.out / CORPUS_CHANGES_FILE, jsonl_bytes(changes))
+        self.out.corpus_change_reported()
         counts = {kind: sum(1 for c in changes if c["change"] == kind) for kind in ("changed", "removed")}
         if changes:
             log.warning("%d committed ids changed and %d are no longer in the corpus; see %s", counts["changed"],

@@ -51,7 +51,7 @@ class Producer:
             read_s += time.monotonic() - t
             if row is None or (cfg.limit is not None and row.index >= cfg.limit):
                 read_all = True
-                self.read_whole_corpus = row is None
+                self.read_whole_corpus = row is None and self.corpus_error is None
                 break
             if cfg.shard_count is not None and shard_of(row.id if row.id is not None else f"#row{row.index}",
                                                         cfg.shard_count) != cfg.shard_index:

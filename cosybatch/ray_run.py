@@ -49,7 +49,14 @@ from .corpus import BadRow, Corpus, Row
 from .engines import RowRejected
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
 from .executor import BatchPolicy, EngineSet, RowAssembler, render_rows, run_batch
-from .job import RowGate, RunResult, configure_gpu_allocator, job_fingerprint, open_corpus
+from .job import (
+    RowGate,
+    RunResult,
+    adopt_legacy_fingerprint,
+    configure_gpu_allocator,
+    job_fingerprint,
+    open_corpus,
+)
 from .shards import ShardWriter
 from .stats import Progress, Stats
 
@@ -200,6 +207,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         stats = Stats()
         t0 = time.monotonic()
         device = "cuda" if opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
+        cfg.engine_class().check(cfg.voice, cfg.engine_options_for(device))  # a bad voice: exit 2 here
         if not ray.is_initialized():
             extra = {}
             if opts.address is None:
@@ -215,11 +223,16 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         remote = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus, max_restarts=2,
                             max_task_retries=2)(SynthWorker)
         actors = [remote.remote(cfg, device) for _ in range(opts.actors)]
-        engine = ray.get(actors[0].describe.remote())  # the driver never opens an engine (nor CUDA)
+        try:
+            engine = ray.get(actors[0].describe.remote())  # the driver never opens an engine (nor CUDA)
+        except ray.exceptions.RayActorError as exc:
+            raise UsageError(f"the engine could not start in a Ray actor: {exc}") from None
         pool = ActorPool(actors)
         stats.stage_s["load"] = time.monotonic() - t0
 
-        out.check_or_start(job_fingerprint(cfg, corpus, engine["fingerprint"], runner="ray"), cfg.restart)
+        fingerprint = job_fingerprint(cfg, corpus, engine["fingerprint"], runner="ray")
+        adopt_legacy_fingerprint(out, cfg, corpus, fingerprint)
+        out.check_or_start(fingerprint, cfg.restart)
         for partial in cfg.out.glob("shard-*.tar.partial"):
             partial.unlink()  # a chunk that never finished; its rows are redone
         items, failures = scan_output(out)

@@ -50,6 +50,8 @@ def repair(out: OutputDir, journal: Journal) -> list[str]:
             else:
                 missing = final if shard.closed else partial
                 note = _lose(journal, ledger, index, out, size=0, why=f"{missing.name} is missing")
+            if note and not shard.closed:
+                _retire(out, journal, index, partial)
         else:
             note = None
         if note:
@@ -105,6 +107,25 @@ def _check_open(out: OutputDir, journal: Journal, ledger: Ledger, index: int, pa
         return None  # whatever lies past the committed end was never committed; it is cut on resume
     return _lose(journal, ledger, index, out, size, why=f"{partial.name} is {size} B, shorter than its "
                  f"committed {shard.end} B", path=partial)
+
+
+def _retire(out: OutputDir, journal: Journal, index: int, partial: Path) -> None:
+    """Finish an open shard that lost items, at its new end: nothing is ever appended to a shard
+    after a loss, so its file and its journal lines can never disagree again."""
+    end = Ledger.replay(out.journal_path).shards[index].end
+    final = out.root / shard_name(index)
+    if end == 0:
+        partial.unlink(missing_ok=True)
+    else:
+        with open(partial, "r+b") as f:
+            f.truncate(end)
+            f.seek(end)
+            f.write(b"\0" * EOA_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, final)
+    fsync_dir(out.root)
+    journal.append({"t": "closed", "shard": index, "items": Ledger.replay(out.journal_path).items_in(index)})
 
 
 def _lose(journal: Journal, ledger: Ledger, index: int, out: OutputDir, size: int, why: str,

@@ -4,7 +4,8 @@ Every id in the manifest must be in exactly one readable `KEY.wav` + `KEY.json` 
 the manifest names, with a WAV that decodes to the manifest's sample count and rate and a
 `KEY.json` naming the same id; every item in a shard must be in the manifest. `run` does the cheap
 part of this (file sizes and counts, `repair.check_sizes`) before it reports complete; this reads
-every byte, so it also finds damage that keeps a file's size, such as a flipped block.
+every byte, so it also finds damage that keeps a file's size in what it parses (tar headers, WAV
+headers, KEY.json). No checksum of the audio is stored: a flipped bit inside PCM samples passes.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def _check_item(shard: str, key: str, entry: dict, expected: dict, soundfile) ->
         meta = json.loads(entry["json"])
     except ValueError:
         return f"{key}.json is not valid JSON"
+    if not isinstance(meta, dict):
+        return f"{key}.json is not an object"
     if meta.get("id") != row["id"]:
         return f"{key}.json names id {meta.get('id')!r}; the manifest says {row['id']!r}"
     try:
@@ -123,7 +126,8 @@ def _check_item(shard: str, key: str, entry: dict, expected: dict, soundfile) ->
     if info.frames != row["num_samples"] or info.samplerate != row["sample_rate"]:
         return (f"{key}.wav has {info.frames} samples at {info.samplerate} Hz; the manifest says "
                 f"{row['num_samples']} at {row['sample_rate']} Hz")
-    if abs(float(meta.get("duration", -1)) - row["duration_s"]) > 1e-6:
+    duration = meta.get("duration")
+    if not isinstance(duration, (int, float)) or abs(duration - row["duration_s"]) > 1e-6:
         return f"{key}.json says {meta.get('duration')} s; the manifest says {row['duration_s']} s"
     return None
 

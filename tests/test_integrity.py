@@ -184,11 +184,13 @@ def test_a_torn_journal_tail_never_writes_an_id_twice(finished):
     assert_exactly_once(out, ids)
 
 
-def test_a_journal_damaged_in_the_middle_recovers_from_the_shards(finished):
+@pytest.mark.parametrize("damage", ["not json", "a flipped key"])
+def test_a_journal_damaged_in_the_middle_recovers_from_the_shards(finished, damage):
     corpus, out, ids = finished
     path = out / ".cosybatch" / "journal.jsonl"
     lines = path.read_bytes().splitlines(keepends=True)
-    lines[1] = b"{garbage\n"
+    assert b'"t":"items"' in lines[1]
+    lines[1] = b"{garbage\n" if damage == "not json" else lines[1].replace(b'"t":"items"', b'"t":"itens"')
     path.write_bytes(b"".join(lines))
     result = run(config(corpus, out))
     assert result.status == "complete" and result.stats["items_done"] == 0
@@ -241,6 +243,11 @@ def test_a_shortened_open_shard_keeps_what_is_whole(tmp_path):
     assert f"{committed} items will be synthesised again" in result.stats["repairs"][0]
     assert result.stats["items_done"] == len(data)
     assert_exactly_once(out, [r["id"] for r in data])
+    # A shard that lost items is finished where it ends; nothing is appended to it afterwards.
+    records = journal(out)
+    lost = next(i for i, r in enumerate(records) if r["t"] == "lost")
+    assert records[lost + 1] == {"t": "closed", "shard": 0, "items": 0}
+    assert not [r for r in records[lost:] if r["t"] == "items" and r["shard"] == 0]
 
 
 def test_run_never_reports_complete_over_a_shard_lost_during_the_run(tmp_path, monkeypatch):
@@ -350,6 +357,21 @@ def test_changed_and_removed_rows_are_listed_not_mixed(tmp_path):
     assert items["id1"]["meta"]["text"] == v1[1]["text"]  # the committed audio, not a silent mix
     # The job now follows the new corpus: a plain rerun resumes without the flag.
     assert run(config(corpus, out)).stats["items_done"] == 0
+
+
+def test_an_interrupted_corpus_change_is_still_reported(tmp_path):
+    v1 = rows(3)
+    corpus = write_jsonl(tmp_path / "c.jsonl", v1)
+    out = tmp_path / "out"
+    run(config(corpus, out))
+    write_jsonl(corpus, [v1[0], {"id": "id1", "text": "Changed."}, {"id": "new", "text": "Added."}])
+    stopped = run(config(corpus, out, allow_corpus_change=True, max_runtime=0.001))  # stops while loading
+    assert stopped.status == "interrupted" and not (out / "corpus_changes.jsonl").exists()
+    result = run(config(corpus, out))  # the job already follows the new corpus: no flag needed
+    assert result.status == "complete" and result.stats["corpus_changes"] == {"changed": 1, "removed": 1}
+    changes = [json.loads(line) for line in (out / "corpus_changes.jsonl").read_text().splitlines()]
+    assert [(c["id"], c["change"]) for c in changes] == [("id1", "changed"), ("id2", "removed")]
+    assert "corpus_changes" not in run(config(corpus, out)).stats  # reported once
 
 
 def test_corrupt_parquet_row_group_costs_only_its_rows(tmp_path):

@@ -71,11 +71,19 @@ def test_plugin_options_are_checked_with_errors_that_name_the_key(tmp_path):
     assert wrong.returncode == 2 and "option base_hz = 'high' should be a float" in wrong.stderr
     bad = cli("run", corpus, "--engine", "tone", "--engine-opt", "base_hz=-1", "--check")
     assert bad.returncode == 2 and "base_hz must be > 0" in bad.stderr
+    infinite = cli("run", corpus, "--engine", "tone", "--engine-opt", "max_chars=inf", "--check")
+    assert infinite.returncode == 2 and "option max_chars = 'inf' should be a int" in infinite.stderr
     spec = tmp_path / "job.toml"
     spec.write_text(f'corpus = "{corpus}"\nengine = "tone"\n\n[engine_options]\nbase_hz = 400\n')
     checked = cli("run", "--job", spec, "--check")
     assert checked.returncode == 0, checked.stderr
     assert json.loads(checked.stdout.splitlines()[-1])["config"]["engine_options"] == {"base_hz": 400}
+    # Precedence: the spec's table, then --engine-opt; an alias key at the spec's top level is a
+    # spec value too (here Piper's noise_scale), so a command-line --engine-opt overrides it.
+    piper = tmp_path / "piper.toml"
+    piper.write_text(f'corpus = "{corpus}"\nnoise_scale = 0.3\n')
+    overridden = cli("run", "--job", piper, "--engine-opt", "noise_scale=0.5", "--check")
+    assert json.loads(overridden.stdout.splitlines()[-1])["config"]["engine_options"] == {"noise_scale": "0.5"}
 
 
 def test_a_plugin_engine_under_ray_run_matches_run(tmp_path):

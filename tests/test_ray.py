@@ -116,14 +116,22 @@ def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
     assert [items[k]["meta"]["row"] for k in "abc"] == [0, 1, 2]
 
 
-def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_dir):
-    """One executor: ray-run's actors size batches from the engine exactly as `run` does."""
+def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_dir, monkeypatch):
+    """One executor: ray-run's actors size batches from the engine exactly as `run` does, and the
+    driver never opens an engine (on a GPU it would start CUDA and pre-allocate the pool)."""
+    from cosybatch import executor
+
     texts = ["Hello there.", "A somewhat longer sentence for the model.", "Yes.", "Good morning to you all.",
              "The rain stopped at noon.", "No.", "Bright lights, big city.", "Thanks a lot."]
     corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"c{i}", "text": t} for i, t in enumerate(texts)])
     cfg = RunConfig(corpus=corpus, out=tmp_path / "local", engine="cosyvoice", device="cpu", batch_size=3,
                     engine_options={"model": cosyvoice_dir, "speaker": "alice"}, normalize=False, progress="none")
     local = run(cfg)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver opened an engine")
+
+    monkeypatch.setattr(executor, "open_engine", refuse)  # actors are other processes: unaffected
     remote = ray_run(RunConfig(**{**cfg.__dict__, "out": tmp_path / "ray"}), RayOptions(actors=1, rows_per_task=64))
     assert remote.status == local.status == "complete"
     assert remote.stats["batch_sizes"] == local.stats["batch_sizes"] and max(map(int, local.stats["batch_sizes"])) == 3
@@ -135,13 +143,10 @@ def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_d
         assert (a[item_id]["audio"] == b[item_id]["audio"]).all()
 
 
-def test_the_driver_never_opens_an_engine(tmp_path, monkeypatch):
-    from cosybatch import executor
+def test_a_bad_voice_is_a_usage_error_before_the_cluster_starts(tmp_path):
+    from cosybatch.errors import VoiceError
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the driver opened an engine")
-
-    monkeypatch.setattr(executor, "open_engine", refuse)  # actors are other processes: unaffected
-    corpus = write_parquet(tmp_path / "c.parquet", rows(3))
-    result = ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", progress="none"), RayOptions(actors=1))
-    assert result.status == "complete" and result.stats["items_done"] == 3
+    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
+    with pytest.raises(VoiceError, match="no-such-voice"):
+        ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", voice="no-such-voice"), RayOptions(actors=1))
+    assert not ray.is_initialized()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -239,14 +240,16 @@ def _convert(engine: str, key: str, value: Any, hint) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.strip().lower() in ("1", "true", "yes", "on")
     elif target in (int, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and (target is float or value == int(value)):
-            return target(value)
+        number = value
         if isinstance(value, str):
             try:
-                return target(value)
+                number = float(value) if target is float else int(value)
             except ValueError:
-                pass
-    elif target is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                number = None
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number) \
+                and (target is float or number == int(number)):
+            return target(number)
+    elif target is str and isinstance(value, (str, int, float, Path)) and not isinstance(value, bool):
         return str(value)
     elif target is Path and isinstance(value, (str, Path)):
         return Path(value)
