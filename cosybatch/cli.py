@@ -227,7 +227,10 @@ def _build_config(v: dict) -> RunConfig:
     shard_index, shard_count = parse_shard(v.pop("shard"))
     max_runtime = _seconds(v.pop("max_runtime"), "--max-runtime")
     export = tuple(x.strip() for x in (v.pop("export") or "").split(",") if x.strip())
-    shard_max_bytes = max(1, int(v.pop("shard_max_mb") * 1024 * 1024))
+    shard_max_mb = v.pop("shard_max_mb")
+    if not 0 < shard_max_mb < float("inf"):
+        raise UsageError(f"--shard-max-mb must be a finite number > 0 (got {shard_max_mb})")
+    shard_max_bytes = max(1, int(shard_max_mb * 1024 * 1024))
     out = v.pop("out") or Path("out") / _stem(v["corpus"])
     return RunConfig(**v, out=out, shard_index=shard_index, shard_count=shard_count, max_runtime=max_runtime,
                      export=export, shard_max_bytes=shard_max_bytes, engine_options=options)

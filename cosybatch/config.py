@@ -112,8 +112,8 @@ class RunConfig:
         unknown = set(self.export) - {"hf", "nemo", "lhotse"}
         if unknown:
             raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from hf, nemo, lhotse")
-        if self.max_runtime is not None and self.max_runtime <= 0:
-            raise UsageError("--max-runtime must be > 0 seconds")
+        if self.max_runtime is not None and not 0 < self.max_runtime < float("inf"):
+            raise UsageError("--max-runtime must be a finite number of seconds > 0")
         from .gpu import validate_fraction
 
         validate_fraction(self.memory_fraction)

@@ -261,7 +261,8 @@ def test_truncated_corpus_is_a_bad_input_error(tmp_path):
 
 def test_usage_errors_exit_2():
     cases = [["run", "nope.parquet", "--batch-size", "0"], ["run", "x.parquet", "--max-runtime", "soon"],
-             ["run", "--no-such-option"]]
+             ["run", "--no-such-option"], ["run", "x.parquet", "--max-runtime", "nan"],
+             ["run", "x.parquet", "--shard-max-mb", "nan"]]
     for args in cases:
         proc = subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (args, proc.stderr)
