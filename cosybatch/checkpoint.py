@@ -20,8 +20,10 @@ import json
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -39,7 +41,6 @@ def file_fingerprint(path: Path) -> dict:
             f.seek(size - (1 << 20))
             h.update(f.read())
     return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
-
 
 
 def file_sha256(path: Path) -> dict:
@@ -149,8 +150,13 @@ class Ledger:
                         del ledger.live[item_id]
         return ledger
 
+    @cached_property
+    def _counts(self) -> Counter:
+        return Counter(s for _, s, _ in self.live.values())
+
     def items_in(self, shard: int) -> int:
-        return sum(1 for _, s, _ in self.live.values() if s == shard)
+        """Live items in one shard (counted once per replay: callers ask for every shard)."""
+        return self._counts[shard]
 
     def audio_s(self) -> float:
         return sum(d for _, _, d in self.live.values())
@@ -287,7 +293,7 @@ class OutputDir:
         recorded = self.recorded()
         if recorded is not None:
             old = recorded.get("fingerprint", {})
-            diffs = _differences(old, fingerprint)
+            diffs = differences(old, fingerprint)
             corpus_only = bool(diffs) and all(d.startswith("corpus.") for d in diffs)
             if corpus_only and allow_corpus_change:
                 history = [*recorded.get("corpus_history", []), {"changed": time.time(), "was": old.get("corpus"),
@@ -451,12 +457,13 @@ def write_manifest_table(root: Path, records) -> int:
     return table.num_rows
 
 
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """'key was A, now B' for every (nested) key whose value differs."""
     diffs = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            diffs.extend(_differences(a, b, f"{prefix}{key}."))
+            diffs.extend(differences(a, b, f"{prefix}{key}."))
         elif a != b:
             diffs.append(f"{prefix}{key} was {a!r}, now {b!r}")
     return diffs

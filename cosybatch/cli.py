@@ -419,9 +419,14 @@ def _setup_logging() -> None:
                         format="%(asctime)s cosybatch %(levelname)s %(message)s")
 
 
-def _fail(message: str, code: int) -> None:
+def _report(message: str, code: int) -> None:
+    """The error on stderr and, as the last stdout line, the JSON summary Airflow's XCom reads."""
     print(f"cosybatch: error: {message}", file=sys.stderr)
     print(json.dumps({"status": "error", "exit_code": code, "error": message}))
+
+
+def _fail(message: str, code: int) -> None:
+    _report(message, code)
     raise typer.Exit(code)
 
 
@@ -440,6 +445,5 @@ def main() -> None:
 
 
 def _exit_with(message: str, code: int) -> None:
-    print(f"cosybatch: error: {message}", file=sys.stderr)
-    print(json.dumps({"status": "error", "exit_code": code, "error": message}))
+    _report(message, code)
     raise SystemExit(code)

@@ -28,6 +28,7 @@ from .checkpoint import (
     Journal,
     Ledger,
     OutputDir,
+    differences,
     file_fingerprint,
     json_bytes,
     jsonl_bytes,
@@ -57,7 +58,7 @@ METRICS_EVERY_S = 10.0  # how often the Prometheus textfile is refreshed during 
 
 @dataclass
 class RunResult:
-    status: str  # "complete", "interrupted", "too_many_failures" or "damaged"
+    status: str  # "complete", "interrupted", "too_many_failures", "damaged" or "corpus_error"
     exit_code: int
     stats: dict = field(default_factory=dict)
 
@@ -217,11 +218,6 @@ def adopt_legacy_fingerprint(out: OutputDir, cfg: RunConfig, corpus: Corpus, fin
         log.info("%s: %s", cfg.out, "; ".join(changed))
 
 
-def _corpus_diff(was: dict, now: dict) -> list[str]:
-    return [f"{k} was {was.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(was) | set(now))
-            if was.get(k) != now.get(k)]
-
-
 def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
     return OutputError(
         f"writing to {cfg.out} failed ({exc.strerror or exc}); everything committed before is "
@@ -283,8 +279,7 @@ class _Job:
         adopt_legacy_fingerprint(self.out, cfg, corpus, fingerprint)
         was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
         self.journal = Journal(self.out.journal_path)
-        self.repairs = repair(self.out, self.journal)
-        ledger = Ledger.replay(self.out.journal_path)
+        self.repairs, ledger = repair(self.out, self.journal)
         if was and ledger.failures:  # rows that failed in the old corpus may be good in the new one
             log.warning("the corpus changed: the %d earlier failures are tried again", ledger.failures)
             self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
@@ -299,7 +294,7 @@ class _Job:
             self.committed_sources = {item["id"]: item.get("source") for item in self.out.live_items(ledger)}
             log.warning("the corpus changed since this job started (%s); committed ids are kept, new ids are "
                         "synthesised, and committed rows that changed are listed in %s",
-                        "; ".join(_corpus_diff(was, corpus.fingerprint())), CORPUS_CHANGES_FILE)
+                        "; ".join(differences(was, corpus.fingerprint())), CORPUS_CHANGES_FILE)
         if was is not None:
             log.info("resuming %s: %d items done, %d failed before", cfg.out, state.items, state.failures)
 

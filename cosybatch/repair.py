@@ -34,8 +34,9 @@ from .shards import TAR_BLOCK, fsync_dir, item_key, shard_name
 log = logging.getLogger("cosybatch")
 
 
-def repair(out: OutputDir, journal: Journal) -> list[str]:
-    """Make the shards and the journal agree; returns one line per repair (none when all is well)."""
+def repair(out: OutputDir, journal: Journal) -> tuple[list[str], Ledger]:
+    """Make the shards and the journal agree; returns one line per repair (none when all is well)
+    and the journal replayed as it stands afterwards."""
     notes = [f"{journal.dropped}; what finished shards still hold is recovered below"] if journal.dropped else []
     ledger = Ledger.replay(out.journal_path)
     for index in sorted(set(ledger.shards) | set(shard_indices(out.root))):
@@ -58,7 +59,7 @@ def repair(out: OutputDir, journal: Journal) -> list[str]:
             log.warning("repaired %s: %s", out.root, note)
             notes.append(note)
             ledger = Ledger.replay(out.journal_path)
-    return notes
+    return notes, ledger
 
 
 def _check_finished(out: OutputDir, journal: Journal, ledger: Ledger, index: int, final: Path) -> Optional[str]:
@@ -79,12 +80,7 @@ def _check_finished(out: OutputDir, journal: Journal, ledger: Ledger, index: int
         os.replace(final, aside)
         fsync_dir(out.root)
     else:
-        with open(final, "r+b") as f:
-            f.truncate(new_end)
-            f.seek(new_end)
-            f.write(b"\0" * EOA_BYTES)
-            f.flush()
-            os.fsync(f.fileno())
+        _end_archive_at(final, new_end)
     if shard is not None or new_end:
         journal.append({"t": "closed", "shard": index, "items": len(recovered) + _kept(ledger, index, beyond)})
     kept = {r["id"] for r in recovered}
@@ -117,15 +113,20 @@ def _retire(out: OutputDir, journal: Journal, index: int, partial: Path) -> None
     if end == 0:
         partial.unlink(missing_ok=True)
     else:
-        with open(partial, "r+b") as f:
-            f.truncate(end)
-            f.seek(end)
-            f.write(b"\0" * EOA_BYTES)
-            f.flush()
-            os.fsync(f.fileno())
+        _end_archive_at(partial, end)
         os.replace(partial, final)
     fsync_dir(out.root)
     journal.append({"t": "closed", "shard": index, "items": Ledger.replay(out.journal_path).items_in(index)})
+
+
+def _end_archive_at(path: Path, end: int) -> None:
+    """Cut a shard after its last whole member and end the tar there, durably."""
+    with open(path, "r+b") as f:
+        f.truncate(end)
+        f.seek(end)
+        f.write(b"\0" * EOA_BYTES)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _lose(journal: Journal, ledger: Ledger, index: int, out: OutputDir, size: int, why: str,

@@ -10,7 +10,18 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import JOB_FILE, JOURNAL_FILE, LOCK_FILE, RAY_FAILURES_DIR, RUN_FILE, STATE_DIR, STATS_FILE, Journal
+from .checkpoint import (
+    JOB_FILE,
+    JOURNAL_FILE,
+    LOCK_FILE,
+    RAY_FAILURES_DIR,
+    RUN_FILE,
+    STATE_DIR,
+    STATS_FILE,
+    Journal,
+    Ledger,
+    OutputDir,
+)
 from .distributed import output_dirs
 from .errors import UsageError
 
@@ -59,19 +70,10 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
     state = folder / STATE_DIR
     run = _read_json(state / RUN_FILE) or {}
     stats = _read_json(folder / STATS_FILE)
-    done = failed = 0
-    commits: list[tuple[float, int]] = []
-    for rec in Journal.read(state / JOURNAL_FILE):
-        if rec.get("t") == "items":
-            done += len(rec["items"])
-            if "ts" in rec:
-                commits.append((rec["ts"], len(rec["items"])))
-        elif rec.get("t") == "failed":
-            failed += len(rec["items"])
-        elif rec.get("t") == "retry_failures":
-            failed = 0
-        elif rec.get("t") == "lost":  # a repair found these gone; the run synthesises them again
-            done -= len(rec["ids"])
+    ledger = Ledger.replay(state / JOURNAL_FILE)  # what is committed, after repairs and corpus changes
+    done, failed = len(ledger.live), ledger.failures
+    commits = [(rec["ts"], len(rec["items"])) for rec in Journal.read(state / JOURNAL_FILE)
+               if rec.get("t") == "items" and "ts" in rec]
     if (state / RAY_FAILURES_DIR).is_dir():
         done, failed = _ray_counts(folder)
     try:
@@ -90,10 +92,9 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         status = "not started"
     problems: list[str] = []
     if status == "complete" and not (state / RAY_FAILURES_DIR).is_dir():
-        from .checkpoint import OutputDir
         from .repair import check_sizes
 
-        problems = check_sizes(OutputDir(folder))  # sizes and counts only: cheap
+        problems = check_sizes(OutputDir(folder), ledger)  # sizes and counts only: cheap
         if problems:
             status = "damaged"  # rerun the same command to repair; `cosybatch verify` reads it all
     rate = None
