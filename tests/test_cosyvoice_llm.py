@@ -154,3 +154,174 @@ def test_nothing_to_generate_gives_nothing_alone_or_in_a_batch(lm):
     assert lm.generate([empty]) == [[]]
     mixed = lm.generate([empty, copy(reqs[3])])
     assert mixed[0] == [] and mixed[1] == lm.generate([copy(reqs[3])])[0]
+
+
+# -- the slot pool: continuous batching with a static decode step ------------------------------
+
+
+def mixed(n: int, seed: int = 11) -> list[LMRequest]:
+    """Rows whose lengths (20x their text tokens, the stop token kept off) differ up to 20x."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, 12, 3, 20, 2, 7, 5, 15, 1, 9, 4, 18, 6, 2, 11, 3][:n]
+    return [LMRequest(text=torch.randint(0, 1000, (t,), generator=gen).tolist(),
+                      prompt_text=torch.randint(0, 1000, (k % 3,), generator=gen).tolist(),
+                      prompt_speech=torch.randint(0, 6561, (2 * (k % 4),), generator=gen).tolist(),
+                      seed=1000 + k) for k, t in enumerate(lengths)]
+
+
+def upstream_greedy(cosyvoice_dir):
+    upstream.load()
+    from cosyvoice.llm.llm import Qwen2Encoder, Qwen2LM
+
+    ref = Qwen2LM(
+        llm_input_size=64, llm_output_size=64, speech_token_size=6561,
+        sampling=lambda scores, decoded, sampling: scores.argmax().reshape(1),
+        llm=Qwen2Encoder(str(cosyvoice_dir / "CosyVoice-BlankEN")), length_normalized_loss=True, lsm_weight=0,
+        mix_ratio=[5, 15],
+    ).eval()
+    ref.load_state_dict(torch.load(cosyvoice_dir / "llm.pt", weights_only=True), strict=True)
+    with torch.no_grad():
+        ref.llm_decoder.bias[6561:] = -1e4
+
+    def run(r: LMRequest) -> list[int]:
+        def ids(values):
+            return torch.tensor([list(values)], dtype=torch.int32).reshape(1, -1)
+
+        return list(ref.inference(
+            text=ids(r.text), text_len=torch.tensor([len(r.text)]),
+            prompt_text=ids(r.prompt_text), prompt_text_len=torch.tensor([len(r.prompt_text)]),
+            prompt_speech_token=ids(r.prompt_speech), prompt_speech_token_len=torch.tensor([len(r.prompt_speech)]),
+            embedding=torch.zeros(1, 192)))
+
+    return run
+
+
+def test_slot_pool_greedy_matches_upstream_while_rows_come_and_go(lm, cosyvoice_dir):
+    """Three slots for eight rows of 20 to 400 tokens: rows are admitted as others stop, the pool
+    shrinks at the end, and every row is token-identical to upstream's single-row decode."""
+    reqs = mixed(8)
+    got = lm.generate(reqs, GREEDY, slots=3)
+    stats = lm.last_stats
+    assert stats.prefills > 1, "rows were admitted while others decoded"
+    reference = upstream_greedy(cosyvoice_dir)
+    for r, tokens in zip(reqs, got, strict=True):
+        assert len(tokens) == 20 * len(r.text)
+        assert tokens == reference(r)
+
+
+def test_sampled_tokens_do_not_depend_on_pool_size_neighbours_or_admission_order(lm):
+    reqs = mixed(6)
+    want = lm.generate([copy(r) for r in reqs], slots=6)
+    assert len({tuple(t) for t in want}) == 6
+    for slots in (1, 2, 4):
+        assert lm.generate([copy(r) for r in reqs], slots=slots) == want
+    # Other rows around them, and the list in another order (so another admission order).
+    others = [copy(r, seed=r.seed + 77) for r in mixed(5, seed=99)]
+    shuffled = [copy(r) for r in reversed(reqs)] + others
+    got = lm.generate(shuffled, slots=3)
+    assert got[: len(reqs)] == list(reversed(want))
+
+
+def test_stop_tokens_end_rows_at_their_own_lengths(cosyvoice_dir):
+    lm = load_llm(cosyvoice_dir)
+    with torch.no_grad():
+        lm.llm_decoder.bias[6561] = 1e4  # the stop token wins as soon as it is allowed (2x the text)
+        lm.llm_decoder.bias[6562:] = -1e4
+    reqs = mixed(7)
+    got = lm.generate(reqs, slots=2, check_every=4)
+    assert [len(t) for t in got] == [2 * len(r.text) for r in reqs]
+    assert all(0 <= t < 6561 for tokens in got for t in tokens)
+
+
+def test_slot_pool_stays_full_and_reads_the_device_once_per_check(lm):
+    reqs = mixed(16)
+    lm.generate(reqs, GREEDY, slots=4)
+    stats = lm.last_stats
+    assert stats.live_slot_steps == sum(20 * len(r.text) for r in reqs)
+    assert stats.live_fraction >= 0.9, stats.as_dict()
+    # One read per round of check_every steps (a round is shorter only when every row ends sooner).
+    assert stats.host_syncs <= stats.steps // 8 + 8, stats.as_dict()
+
+
+def _on_meta(pool):
+    """The pool's state moved to the meta device, where any read of a value on the host fails."""
+    for name in ("k", "v"):
+        setattr(pool, name, [t.to("meta") for t in getattr(pool, name)])
+    for name in ("hidden", "pos", "count", "lo", "hi", "done", "history", "uniforms", "recent", "recent_live",
+                 "positions"):
+        setattr(pool, name, getattr(pool, name).to("meta"))
+
+
+def test_decode_step_never_reads_a_value_back_to_the_host(cosyvoice_dir):
+    from cosybatch.cosyvoice.llm import SlotPool
+
+    lm = load_llm(cosyvoice_dir)
+    with torch.inference_mode():
+        pool = SlotPool(lm, 4, 256, 256, Sampling())
+        lm.to("meta")
+        _on_meta(pool)
+        for _ in range(3):
+            pool._step(4, 256)  # tolist, item, nonzero or a branch on a tensor would raise here
+        with pytest.raises(NotImplementedError):
+            pool.done.tolist()
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, weights=()):
+        super().__init__()
+        self.ops: list[str] = []
+        self.weight_casts = 0
+        self._weights = {w.data_ptr() for w in weights}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:  # kernels; views cost no launch (and a full-size slice is skipped)
+            self.ops.append(str(func.overloadpacket))
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to) and args and \
+                isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self._weights:
+            self.weight_casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(lm, n: int, weights=()) -> _OpLog:
+    from cosybatch.cosyvoice.llm import SlotPool
+
+    with torch.inference_mode():
+        pool = SlotPool(lm, 8, 256, 256, Sampling())
+        pool._step(n, 256)  # warm (lazy initialisation is not part of a step)
+        log = _OpLog(weights)
+        with log:
+            pool._step(n, 256)
+    return log
+
+
+def test_decode_step_runs_the_same_kernels_for_every_slot_count(lm):
+    counts = {n: _step_ops(lm, n).ops for n in (1, 2, 4, 8)}
+    assert counts[1] == counts[2] == counts[4] == counts[8]
+
+
+def test_half_precision_weights_are_never_cast_inside_the_loop(cosyvoice_dir):
+    fp32 = load_llm(cosyvoice_dir)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the old way: the detector must see casts here
+        assert _step_ops(fp32, 4, fp32.parameters()).weight_casts > 0
+    bf16 = load_llm(cosyvoice_dir, dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert bf16.qwen.inv_freq.dtype == torch.float32
+    log = _step_ops(bf16, 4, bf16.parameters())
+    assert log.weight_casts == 0
+    tokens = bf16.generate([copy(r, max_tokens=10) for r in requests()], GREEDY, slots=2)
+    assert all(len(t) == 10 and all(0 <= x < 6561 for x in t) for t in tokens)
+
+
+def test_sampling_settings_come_from_the_yaml():
+    from cosybatch.cosyvoice.yamlconf import Call
+
+    node = Call("cosyvoice.llm.llm.Qwen2LM", kwargs={
+        "sampling": Call("cosyvoice.utils.common.ras_sampling", kwargs={"top_p": 0.5, "top_k": 7})})
+    assert Sampling.from_yaml(node) == Sampling(top_p=0.5, top_k=7, win_size=10, tau_r=0.1)
+    assert Sampling.from_yaml(None) == Sampling()
+    other = Call("x", kwargs={"sampling": Call("cosyvoice.utils.common.nucleus_sampling", kwargs={})})
+    with pytest.raises(ValueError, match="only ras_sampling"):
+        Sampling.from_yaml(other)
+    bad = Call("x", kwargs={"sampling": Call("a.ras_sampling", kwargs={"top_p": 2})})
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling.from_yaml(bad)

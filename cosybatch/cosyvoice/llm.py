@@ -1,4 +1,4 @@
-"""CosyVoice2's speech-token language model, decoding whole batches at once.
+"""CosyVoice2's speech-token language model, decoding many utterances at once.
 
 Architecture after upstream's ``Qwen2LM`` (FunAudioLLM/CosyVoice, Apache-2.0): a Qwen2 decoder
 (Qwen2.5-0.5B in CosyVoice2-0.5B) reads ``[sos, prompt text + text, task id, prompt speech tokens]``
@@ -7,12 +7,12 @@ its own head, ``llm_decoder``. The Qwen2 blocks are our own small torch implemen
 rotary positions, grouped-query attention, SwiGLU), so no transformers version can change them.
 
 Upstream decodes one utterance at a time and samples in Python from the global random generator.
-Here B utterances decode together: prompts are left-padded, a 2-D padding mask and per-row
-position ids keep every row equal to its single-row run, a pre-allocated KV cache grows by one
-position per step, each row stops on its own (stop token, or 20x its text tokens; the stop token
-is refused before 2x), and repetition-aware sampling (top-p 0.8, top-k 25, window 10, tau 0.1)
-runs for the whole batch at once on uniforms drawn from each row's own generator, seeded per
-item, so a row's tokens do not depend on its batch.
+Here utterances decode in a :class:`SlotPool`: continuous batching over a static KV cache, a
+decode step of fixed shapes that never waits on the host, one read back every few steps, CUDA
+graphs on CUDA. Each row stops on its own (stop token, or 20x its text tokens; the stop token is
+refused before 2x), and repetition-aware sampling (the yaml's ``ras_sampling`` settings) runs for
+all rows at once on uniforms drawn ahead from each row's own seed, so a row's tokens depend on its
+seed, not on its neighbours, the pool size or when it was admitted.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .yamlconf import Call
 
 SPEECH_TOKENS = 6561
 SOS, TASK_ID = 0, 1  # rows of llm_embedding
@@ -90,18 +92,17 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim)
         self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, mask: Tensor) -> Tensor:
-        """x: (B, T, H) new positions; cache holds earlier ones; mask: (B, 1, T, total) bool."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Cache, layer: int, mask: Tensor) -> Tensor:
+        """x: (B, T, H) new positions; the cache stores them and returns every key the rows see;
+        mask: (B or 1, 1, T, keys) bool."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k, v = cache.append(layer, k, v)
-        # Under autocast the cache holds the low-precision dtype; keep q in it too.
-        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                             enable_gqa=self.heads != self.kv_heads)
+        k, v = cache.update(layer, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -124,7 +125,7 @@ class Qwen2Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Cache, layer: int, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -139,43 +140,23 @@ class Qwen2Model(nn.Module):
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor) -> Tensor:
-        """x: (B, T, H) embeddings at ``positions`` (B, T); returns the final hidden states."""
-        freqs = positions[:, :, None].float() * self.inv_freq[None, None, :]
+    def forward(self, x: Tensor, positions: Tensor, cache: Cache, mask: Tensor) -> Tensor:
+        """x: (B, T, H) embeddings at ``positions`` (B or 1, T); returns the final hidden states.
+
+        Rotary angles are computed in fp32 and cast to the compute dtype, as upstream does."""
+        freqs = positions[:, :, None].float() * self.inv_freq.float()[None, None, :]
         angles = torch.cat([freqs, freqs], dim=-1)
         cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, mask)
-        cache.advance(x.size(1))
         return self.norm(x)
 
 
-class KVCache:
-    """Pre-allocated keys and values for every layer: (B, kv_heads, capacity, head_dim)."""
+class Cache:
+    """No cache: attention sees exactly the keys of this forward (a full, unpadded sequence)."""
 
-    def __init__(self, c: Qwen2Config, batch: int, capacity: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
-        self.length = 0
-
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        end = self.length + k.size(2)
-        if end > self.k[layer].size(2):
-            raise RuntimeError(f"KV cache full ({self.k[layer].size(2)} positions)")
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def advance(self, steps: int) -> None:
-        self.length += steps
-
-    def keep(self, rows: Tensor) -> None:
-        """Drop finished rows (indices of the rows to keep), one layer at a time so that at most
-        one layer is held twice."""
-        for cache in (self.k, self.v):
-            for i in range(len(cache)):
-                cache[i] = cache[i].index_select(0, rows)
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return k, v
 
 
 class _CausalLM(nn.Module):
@@ -192,15 +173,53 @@ class _Encoder(nn.Module):
         self.model = _CausalLM(c)
 
 
-@dataclass
+# Decode steps between two looks at which rows stopped: the one host sync of the loop. A row that
+# stops just after a look costs up to this many wasted slot-steps (a few percent of a segment).
+CHECK_EVERY = 8
+# Attention reads the cache up to the longest live row, rounded up to this many positions (one
+# CUDA graph per window size and slot count).
+LENGTH_BUCKET = 256
+# Padded prompt positions per prefill forward (bounds its attention memory).
+PREFILL_TOKENS = 8192
+
+
+@dataclass(frozen=True)
 class Sampling:
-    """Repetition-aware sampling (upstream's ras_sampling defaults); ``greedy`` takes the argmax."""
+    """Repetition-aware sampling (upstream's ``ras_sampling``); ``greedy`` takes the argmax."""
 
     top_p: float = 0.8
     top_k: int = 25
     win_size: int = 10
     tau_r: float = 0.1
     greedy: bool = False
+
+    @classmethod
+    def from_yaml(cls, llm: Call | None) -> Sampling:
+        """The ``sampling`` node of the yaml's ``llm`` (``!name:...ras_sampling`` and its
+        arguments); upstream's defaults for arguments it leaves out, or when there is no ``llm``."""
+        node = llm.kwargs.get("sampling") if llm is not None else None
+        if node is None:
+            return cls()
+        if not isinstance(node, Call) or node.name != "ras_sampling":
+            found = node.target if isinstance(node, Call) else repr(node)
+            raise ValueError(f"llm.sampling: {found}; only ras_sampling (CosyVoice2's) is supported")
+        known = {"top_p", "top_k", "win_size", "tau_r"}
+        unknown = sorted(set(node.kwargs) - known)
+        if unknown:
+            raise ValueError(f"llm.sampling: unknown argument {', '.join(unknown)}")
+        try:
+            values = {k: (int if k in ("top_k", "win_size") else float)(v) for k, v in node.kwargs.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"llm.sampling: arguments must be numbers (got {node.kwargs})") from None
+        made = cls(**values)
+        if not (0 < made.top_p <= 1 and made.top_k >= 1 and made.win_size >= 1 and made.tau_r > 0):
+            raise ValueError(f"llm.sampling: need 0 < top_p <= 1, top_k >= 1, win_size >= 1, tau_r > 0 (got {values})")
+        return made
+
+    def describe(self) -> dict:
+        if self.greedy:
+            return {"greedy": True}
+        return {"top_p": self.top_p, "top_k": self.top_k, "win_size": self.win_size, "tau_r": self.tau_r}
 
 
 @dataclass
@@ -246,13 +265,29 @@ class SpeechLM(nn.Module):
         """Log-probabilities over speech ids at every position of one unpadded sequence (no cache).
 
         The reference the cached batched decoder is tested against."""
-        c = self.config
         t = embeds.size(0)
-        cache = KVCache(c, 1, t, embeds.device, embeds.dtype)
         mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()[None, None]
         positions = torch.arange(t, device=embeds.device)[None]
-        hidden = self.qwen(embeds[None], positions, cache, mask)
+        hidden = self.qwen(embeds[None], positions, Cache(), mask)
         return self.llm_decoder(hidden[0]).log_softmax(-1)
+
+    def to_precision(self, dtype: torch.dtype) -> SpeechLM:
+        """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
+        inv_freq = self.qwen.inv_freq
+        self.to(dtype=dtype)
+        self.qwen.inv_freq = inv_freq
+        return self
+
+    def slot_pool(self, slots: int, capacity: int, max_steps: int, sampling: Sampling, cuda_graphs: bool = True,
+                  check_every: int = CHECK_EVERY) -> SlotPool:
+        """The pool of the last call when it fits (its CUDA graphs stay valid), else a new one."""
+        pool: SlotPool | None = getattr(self, "_pool", None)
+        if pool is None or not pool.fits(slots, capacity, max_steps, sampling, cuda_graphs, check_every):
+            self._pool = None  # free the old cache before the new one is allocated
+            pool = SlotPool(self, slots, _round_up(capacity, LENGTH_BUCKET), _round_up(max_steps, LENGTH_BUCKET),
+                            sampling, cuda_graphs, check_every)
+            self._pool = pool
+        return pool
 
     @torch.inference_mode()
     def generate(
@@ -261,85 +296,325 @@ class SpeechLM(nn.Module):
         sampling: Sampling | None = None,
         min_ratio: float = 2.0,
         max_ratio: float = 20.0,
+        slots: int | None = None,
+        cuda_graphs: bool = True,
+        check_every: int = CHECK_EVERY,
     ) -> list[list[int]]:
-        """Speech tokens for every request (stop token excluded); also stored in ``request.tokens``."""
-        sampling = sampling or Sampling()
-        device = self.llm_decoder.weight.device
-        dtype = self.llm_decoder.weight.dtype
-        n = len(requests)
-        if n == 0:
-            return []
-        limits = [r.max_tokens if r.max_tokens is not None else int(len(r.text) * max_ratio) for r in requests]
-        if min(limits) <= 0:  # nothing to generate for these: decode the others only
-            live = [i for i, limit in enumerate(limits) if limit > 0]
-            decoded = self.generate([requests[i] for i in live], sampling, min_ratio, max_ratio)
-            out = [[] for _ in requests]
-            for i, tokens in zip(live, decoded, strict=True):
-                out[i] = tokens
-            for req, tokens in zip(requests, out, strict=True):
-                req.tokens = tokens
-            return out
-        cache_dtype = dtype
-        if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-            cache_dtype = torch.get_autocast_dtype("cuda")
-        prompts = [self.prompt_embeddings(r, device) for r in requests]
-        lengths = torch.tensor([p.size(0) for p in prompts], device=device)
-        width = int(lengths.max())
-        lo = [r.min_tokens if r.min_tokens is not None else int(len(r.text) * min_ratio) for r in requests]
-        hi = limits
-        steps = max(hi)
-        # Left padding: every row's last prompt position sits at column width - 1.
-        x = torch.zeros(n, width, self.config.hidden_size, device=device, dtype=dtype)
-        valid = torch.zeros(n, width + steps, dtype=torch.bool, device=device)
-        for i, p in enumerate(prompts):
-            x[i, width - p.size(0) :] = p
-            valid[i, width - p.size(0) : width] = True
-        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
-        cache = KVCache(self.config, n, width + steps, device, cache_dtype)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        mask = causal[None, None] & valid[:, None, None, :width]
-        # A padded query row would attend to nothing; let it see itself so softmax stays finite.
-        mask = mask | torch.eye(width, dtype=torch.bool, device=device)[None, None]
-        hidden = self.qwen(x, positions, cache, mask)[:, -1]
+        """Speech tokens for every request (stop token excluded); also stored in ``request.tokens``.
 
-        rows = torch.arange(n, device=device)  # original index of each live row
-        rngs = [np.random.default_rng([int(r.seed) & 0xFFFFFFFFFFFFFFFF, 0x5EED]) for r in requests]
-        out: list[list[int]] = [[] for _ in range(n)]
-        history = torch.full((n, sampling.win_size), -1, dtype=torch.long, device=device)
-        next_pos = lengths.clone()
-        lo_t = torch.tensor(lo, device=device)
-        hi_t = torch.tensor(hi, device=device)
-        for step in range(steps):
-            logp = self.llm_decoder(hidden).float().log_softmax(-1)
-            # Ids past the stop token are never emitted (upstream skips them and repeats the step).
-            logp[:, self.speech_token_size + 1 :] = -math.inf
-            too_early = step < lo_t[rows]
-            logp[:, self.speech_token_size] = torch.where(
-                too_early, torch.full_like(too_early, -math.inf, dtype=logp.dtype), logp[:, self.speech_token_size]
-            )
-            uniforms = torch.from_numpy(np.stack([rngs[int(r)].random(2) for r in rows.tolist()])).to(device)
-            ids = sample(logp, history, uniforms, sampling)
-            stop = (ids == self.speech_token_size) | (step + 1 >= hi_t[rows])
-            for row, token in zip(rows.tolist(), ids.tolist(), strict=True):
-                if token != self.speech_token_size:
-                    out[row].append(token)
-            history = torch.cat([history[:, 1:], ids[:, None]], dim=1)
-            keep = (~stop).nonzero().flatten()
-            if keep.numel() == 0:
-                break
-            if keep.numel() < rows.numel():
-                rows, ids, history, next_pos = rows[keep], ids[keep], history[keep], next_pos[keep]
-                cache.keep(keep)
-                valid = valid[keep]
-            column = width + step
-            valid[:, column] = True
-            mask = valid[:, None, None, : column + 1]
-            embeds = self.speech_embedding(ids)[:, None]
-            hidden = self.qwen(embeds, next_pos[:, None], cache, mask)[:, -1]
-            next_pos = next_pos + 1
+        Requests decode in a pool of ``slots`` decode slots (default: one per request); a slot
+        takes the next waiting request as soon as its row stops. ``self.last_stats`` says how full
+        the slots were."""
+        sampling = sampling or Sampling()
+        out: list[list[int]] = [[] for _ in requests]
+        hi = [r.max_tokens if r.max_tokens is not None else int(len(r.text) * max_ratio) for r in requests]
+        lo = [r.min_tokens if r.min_tokens is not None else int(len(r.text) * min_ratio) for r in requests]
+        todo = [i for i in range(len(requests)) if hi[i] > 0]  # nothing to generate for the others
+        self.last_stats = PoolStats()
+        if todo:
+            device = self.llm_decoder.weight.device
+            prompts = {i: self.prompt_embeddings(requests[i], device) for i in todo}
+            capacity = max(prompts[i].size(0) + hi[i] for i in todo) + 1
+            steps = max(hi[i] for i in todo)
+            pool = self.slot_pool(slots or len(todo), capacity, steps, sampling, cuda_graphs, check_every)
+            # Longest first, so the last rows to finish are short ones and the slots stay full.
+            order = sorted(todo, key=lambda i: -hi[i])
+            work = [_Work(i, prompts[i], lo[i], hi[i], requests[i].seed) for i in order]
+            self.last_stats = pool.run(work, out)
         for req, tokens in zip(requests, out, strict=True):
             req.tokens = tokens
         return out
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def slot_buckets(slots: int) -> list[int]:
+    """The slot counts a decode step runs at: the powers of two below ``slots``, then ``slots``."""
+    sizes, size = [], 1
+    while size < slots:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, slots]
+
+
+@dataclass
+class PoolStats:
+    steps: int = 0  # decode steps
+    slot_steps: int = 0  # rows computed over all steps (the active slot count per step, summed)
+    live_slot_steps: int = 0  # rows that were still decoding (the tokens made, stop tokens included)
+    host_syncs: int = 0  # device -> host reads in the decode loop
+    prefills: int = 0  # prefill forwards
+    graphs: int = 0  # CUDA graphs captured
+
+    @property
+    def live_fraction(self) -> float:
+        return self.live_slot_steps / self.slot_steps if self.slot_steps else 1.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "slot_steps": self.slot_steps, "live_slot_steps": self.live_slot_steps,
+                "live_fraction": round(self.live_fraction, 4), "host_syncs": self.host_syncs,
+                "prefills": self.prefills, "graphs": self.graphs}
+
+
+@dataclass
+class _Work:
+    index: int  # the request's position in the caller's list
+    prompt: Tensor  # (P, H) prompt embeddings
+    lo: int
+    hi: int
+    seed: int
+
+
+class _PrefillCache:
+    """Writes a prefill's keys and values into slots at positions 0..T-1; attention sees just them."""
+
+    def __init__(self, pool: SlotPool, slots: Tensor):
+        self.pool, self.slots = pool, slots
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        t = k.size(2)
+        self.pool.k[layer][self.slots, :, :t] = k
+        self.pool.v[layer][self.slots, :, :t] = v
+        return k, v
+
+
+class _SlotCache:
+    """A decode step's cache: each of the first n slots writes its new key at its own position (a
+    tensor index, so shapes never change) and attends over the first ``window`` positions."""
+
+    def __init__(self, pool: SlotPool, n: int, window: int, pos: Tensor):
+        self.pool, self.n, self.window = pool, n, window
+        c = pool.lm.config
+        self.index = pos.view(n, 1, 1, 1).expand(n, c.num_key_value_heads, 1, c.head_dim)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = self.pool.k[layer][: self.n], self.pool.v[layer][: self.n]
+        keys.scatter_(2, self.index, k.to(keys.dtype))  # no-op unless under autocast
+        values.scatter_(2, self.index, v.to(values.dtype))
+        return keys[:, :, : self.window], values[:, :, : self.window]
+
+
+class SlotPool:
+    """A fixed pool of decode slots over a static KV cache, ``(slots, kv_heads, capacity, head_dim)``
+    per layer, for continuous batching.
+
+    A waiting request is admitted into a free slot (a prefill writes its prompt's keys at positions
+    0..P-1 of that slot), then decodes one token per step until it stops; its slot then takes the
+    next request. Every per-row value lives on the device in a fixed-shape tensor (position, tokens
+    made, length limits, the last ``win_size`` tokens, the row's uniforms drawn ahead from its own
+    seed), so a step has the same shapes and kernels whatever the rows are doing: finished and
+    empty slots are masked, not removed, and the step never reads anything back to the host. Every
+    ``check_every`` steps one read brings back the tokens of those steps and which rows stopped.
+
+    Steps run on the first n slots, n a power of two (or ``slots``): admission fills the lowest free
+    slots, and once no request waits, the remaining rows are moved down so n can halve. On CUDA each
+    (n, window) step is captured in a CUDA graph the second time it is needed (the first, eager run
+    is its warm-up) and replayed after that.
+    """
+
+    def __init__(self, lm: SpeechLM, slots: int, capacity: int, max_steps: int, sampling: Sampling,
+                 cuda_graphs: bool = True, check_every: int = CHECK_EVERY):
+        c = lm.config
+        weight = lm.llm_decoder.weight
+        device, dtype = weight.device, weight.dtype
+        self.lm, self.slots, self.capacity, self.max_steps = lm, slots, capacity, max_steps
+        self.sampling, self.check_every = sampling, check_every
+        shape = (slots, c.num_key_value_heads, capacity, c.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+
+        def longs(fill: int = 0, *size: int) -> Tensor:
+            return torch.full((slots, *size), fill, dtype=torch.long, device=device)
+
+        self.hidden = torch.zeros(slots, c.hidden_size, device=device, dtype=dtype)
+        self.pos, self.count, self.lo, self.hi = longs(), longs(), longs(), longs()
+        self.done = torch.ones(slots, dtype=torch.bool, device=device)
+        self.history = longs(-1, sampling.win_size)
+        self.uniforms = torch.zeros(slots, max_steps, 2, dtype=torch.float64, device=device)
+        self.recent = longs(0, check_every)
+        self.recent_live = torch.zeros(slots, check_every, dtype=torch.bool, device=device)
+        self.positions = torch.arange(capacity, device=device)
+        # Host side, known without asking the device.
+        self.owner: list[_Work | None] = [None] * slots
+        self.bound = [0] * slots  # at least each slot's position
+        self.left = [0] * slots  # at most the steps each slot may still take
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.stats = PoolStats()
+
+    def fits(self, slots: int, capacity: int, max_steps: int, sampling: Sampling, cuda_graphs: bool,
+             check_every: int) -> bool:
+        return (self.slots == slots and self.capacity >= capacity and self.max_steps >= max_steps
+                and self.sampling == sampling and self.check_every == check_every
+                and self.use_graphs == (cuda_graphs and self.hidden.device.type == "cuda"))
+
+    def _rows(self) -> list[Tensor]:
+        """Every per-slot tensor (first dimension = slot)."""
+        return [*self.k, *self.v, self.hidden, self.pos, self.count, self.lo, self.hi, self.done, self.history,
+                self.uniforms, self.recent, self.recent_live]
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def run(self, work: list[_Work], out: list[list[int]]) -> PoolStats:
+        self.stats = PoolStats(graphs=len(self.graphs))
+        queue = list(reversed(work))  # pop() takes the next
+        while queue or any(w is not None for w in self.owner):
+            free = [s for s in range(self.slots) if self.owner[s] is None]
+            if queue and free:
+                self._admit([(s, queue.pop()) for s in free[: len(queue)]])
+            if not queue:
+                self._compact()
+            used = [s for s in range(self.slots) if self.owner[s] is not None]
+            n = next(b for b in slot_buckets(self.slots) if b > used[-1])
+            steps = min(self.check_every, max(self.left[s] for s in used))
+            start = max(self.bound[s] for s in used)
+            for i in range(steps):
+                window = min(self.capacity, _round_up(start + i + 1, LENGTH_BUCKET))
+                self._run_step(n, window)
+            self.stats.steps += steps
+            self.stats.slot_steps += steps * n
+            self._harvest(n, steps, out)
+        self.stats.graphs = len(self.graphs) - self.stats.graphs
+        return self.stats
+
+    def _admit(self, placed: list[tuple[int, _Work]]) -> None:
+        device = self.hidden.device
+        placed = sorted(placed, key=lambda p: p[1].prompt.size(0))
+        chunk: list[tuple[int, _Work]] = []
+        for item in placed:
+            if chunk and (len(chunk) + 1) * item[1].prompt.size(0) > PREFILL_TOKENS:
+                self._prefill(chunk)
+                chunk = []
+            chunk.append(item)
+        self._prefill(chunk)
+        slots = torch.tensor([s for s, _ in placed], device=device)
+        uniforms = torch.zeros(len(placed), self.max_steps, 2, dtype=torch.float64)
+        for row, (s, w) in enumerate(placed):
+            # A row's uniforms come from its own seed only, two per step, drawn ahead.
+            rng = np.random.default_rng([int(w.seed) & 0xFFFFFFFFFFFFFFFF, 0x5EED])
+            uniforms[row, : w.hi] = torch.from_numpy(rng.random((w.hi, 2)))
+            self.owner[s], self.bound[s], self.left[s] = w, w.prompt.size(0), w.hi
+
+        def values(get) -> Tensor:
+            return torch.tensor([get(w) for _, w in placed], device=device)
+
+        self.pos[slots] = values(lambda w: w.prompt.size(0))
+        self.lo[slots] = values(lambda w: w.lo)
+        self.hi[slots] = values(lambda w: w.hi)
+        self.count[slots] = 0
+        self.done[slots] = False
+        self.history[slots] = -1
+        self.recent_live[slots] = False
+        self.uniforms[slots] = uniforms.to(device)
+
+    def _prefill(self, placed: list[tuple[int, _Work]]) -> None:
+        """One forward over the prompts of ``placed`` (right-padded), keys into their slots, and
+        each row's last hidden state into ``hidden``."""
+        lm, device = self.lm, self.hidden.device
+        lengths = [w.prompt.size(0) for _, w in placed]
+        width = max(lengths)
+        x = torch.zeros(len(placed), width, lm.config.hidden_size, device=device, dtype=self.hidden.dtype)
+        for row, (_, w) in enumerate(placed):
+            x[row, : lengths[row]] = w.prompt
+        slots = torch.tensor([s for s, _ in placed], device=device)
+        # Right padding: a real position only sees earlier (real) ones; padded keys are written but
+        # the first decode steps overwrite them before any row can see them.
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
+        h = lm.qwen(x, self.positions[:width][None], _PrefillCache(self, slots), causal)
+        last = torch.tensor(lengths, device=device) - 1
+        self.hidden[slots] = h[torch.arange(len(placed), device=device), last]
+        self.stats.prefills += 1
+
+    def _compact(self) -> None:
+        """Move the rows above the smallest slot count that holds them all into free slots below it."""
+        used = [s for s in range(self.slots) if self.owner[s] is not None]
+        if not used:
+            return
+        target = next(b for b in slot_buckets(self.slots) if b >= len(used))
+        movers = [s for s in used if s >= target]
+        if not movers:
+            return
+        holes = [s for s in range(target) if self.owner[s] is None][: len(movers)]
+        src = torch.tensor(movers, device=self.hidden.device)
+        dst = torch.tensor(holes, device=self.hidden.device)
+        for tensor in self._rows():
+            tensor[dst] = tensor[src]
+        self.done[src] = True
+        for a, b in zip(movers, holes, strict=True):
+            self.owner[b], self.bound[b], self.left[b] = self.owner[a], self.bound[a], self.left[a]
+            self.owner[a] = None
+
+    def _harvest(self, n: int, steps: int, out: list[list[int]]) -> None:
+        """The loop's one host read: the last ``steps`` tokens of each row, whether it was live for
+        each, and whether it has stopped."""
+        packed = torch.cat([self.recent[:n, -steps:], self.recent_live[:n, -steps:].long(),
+                            self.done[:n, None].long()], dim=1).tolist()
+        self.stats.host_syncs += 1
+        stop = self.lm.speech_token_size
+        for s in range(n):
+            w = self.owner[s]
+            if w is None:
+                continue
+            row = packed[s]
+            tokens = out[w.index]
+            for token, live in zip(row[:steps], row[steps : 2 * steps], strict=True):
+                if live:
+                    tokens.append(token)
+                    self.stats.live_slot_steps += 1
+            if row[-1]:
+                if tokens and tokens[-1] == stop:
+                    tokens.pop()
+                self.owner[s] = None
+            else:
+                self.bound[s] += steps
+                self.left[s] -= steps
+
+    # -- the decode step ----------------------------------------------------------------------
+    def _run_step(self, n: int, window: int) -> None:
+        if not self.use_graphs:
+            self._step(n, window)
+            return
+        key = (n, window)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self._seen:  # the first run is eager: it warms up what capture needs
+                self._seen.add(key)
+                self._step(n, window)
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):  # records, does not run
+                self._step(n, window)
+            self.graphs[key] = graph
+        graph.replay()
+
+    def _step(self, n: int, window: int) -> None:
+        """Sample one token per slot from ``hidden``, then run those tokens through the model."""
+        lm, s = self.lm, self.sampling
+        stop = lm.speech_token_size
+        hidden, pos, count = self.hidden[:n], self.pos[:n], self.count[:n]
+        done, history = self.done[:n], self.history[:n]
+        logp = lm.llm_decoder(hidden).float().log_softmax(-1)
+        # Ids past the stop token are never emitted (upstream skips them and repeats the step);
+        # the stop token is refused before a row's minimum length.
+        logp[:, stop + 1 :] = -math.inf
+        logp[:, stop] = logp[:, stop].masked_fill(count < self.lo[:n], -math.inf)
+        index = count.clamp(max=self.max_steps - 1).view(n, 1, 1).expand(n, 1, 2)
+        ids = sample(logp, history, self.uniforms[:n].gather(1, index)[:, 0], s)
+        live = ~done
+        ended = live & ((ids == stop) | (count + 1 >= self.hi[:n]))
+        history.copy_(torch.cat([history[:, 1:], ids[:, None]], dim=1))
+        self.recent[:n] = torch.cat([self.recent[:n, 1:], ids[:, None]], dim=1)
+        self.recent_live[:n] = torch.cat([self.recent_live[:n, 1:], live[:, None]], dim=1)
+        count.add_(live.long())
+        done.logical_or_(ended)
+        embeds = lm.speech_embedding(ids)[:, None]
+        mask = (self.positions[:window][None, :] <= pos[:, None])[:, None, None, :]
+        h = lm.qwen(embeds, pos[:, None], _SlotCache(self, n, window, pos), mask)
+        hidden.copy_(h[:, -1])
+        pos.add_(live.long())
 
 
 def sample(logp: Tensor, history: Tensor, uniforms: Tensor, s: Sampling) -> Tensor:
@@ -370,8 +645,9 @@ def pick(weights: Tensor, u: Tensor) -> Tensor:
     return index.clamp(max=weights.size(-1) - 1)
 
 
-def load_llm(model_dir: str | Path, device: torch.device | str = "cpu") -> SpeechLM:
-    """Build the LM from ``CosyVoice-BlankEN/config.json`` and load ``llm.pt`` strictly.
+def load_llm(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> SpeechLM:
+    """Build the LM from ``CosyVoice-BlankEN/config.json`` and load ``llm.pt`` strictly, with its
+    weights converted once to ``dtype``.
 
     The Qwen2 text head (``llm.model.lm_head.weight``) is unused for speech and is not loaded.
     """
@@ -387,4 +663,4 @@ def load_llm(model_dir: str | Path, device: torch.device | str = "cpu") -> Speec
     state = load_state(path)
     state.pop("llm.model.lm_head.weight", None)
     load_strict(lm, state, path)
-    return lm.to(device).eval()
+    return lm.to(device).to_precision(dtype).eval()
