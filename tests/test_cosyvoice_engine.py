@@ -171,3 +171,68 @@ def test_check_validates_the_speaker_without_loading_weights(cosyvoice_dir, corp
     assert json.loads(ok.stdout.splitlines()[-1])["voice"]["speakers"] == ["alice", "bob"]
     bad = cli(*base, "--speaker", "zed")
     assert bad.returncode == 2 and "unknown speaker 'zed'" in bad.stderr and "alice, bob" in bad.stderr
+
+
+def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus, tmp_path):
+    """A folder whose yaml keeps one candidate (top_k 1) and never falls back (tau_r 2) decodes
+    greedily; KEY.json says which settings made the audio."""
+    import torch
+
+    from cosybatch.cosyvoice.llm import LMRequest, Sampling
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for entry in cosyvoice_dir.iterdir():
+        (model / entry.name).symlink_to(entry)
+    (model / "cosyvoice2.yaml").unlink()
+    text = (cosyvoice_dir / "cosyvoice2.yaml").read_text()
+    assert "top_k: 25" in text and "tau_r: 0.1" in text
+    (model / "cosyvoice2.yaml").write_text(text.replace("top_k: 25", "top_k: 1").replace("tau_r: 0.1", "tau_r: 2"))
+    engine = open_engine("cosyvoice", None, EngineOptions(device="cpu", corpus_dir=corpus.parent,
+                                                          engine=CosyVoiceOptions(model=model)))
+    assert engine.sampling == Sampling(top_p=0.8, top_k=1, win_size=10, tau_r=2.0)
+    with torch.no_grad():
+        engine.lm.llm_decoder.bias[6561:] = -1e4
+    request = LMRequest(text=list(range(100, 106)), seed=5)
+    sampled = engine.lm.generate([request], engine.sampling)[0]
+    assert sampled == engine.lm.generate([LMRequest(text=list(range(100, 106)))], Sampling(greedy=True))[0]
+
+    out = tmp_path / "out"
+    proc = cli("run", str(corpus), "--engine", "cosyvoice", "--model", str(model), "--out", str(out),
+               "--progress", "none", "--device", "cpu", "--limit", "1")
+    assert proc.returncode == 0, proc.stderr
+    meta = next(iter(read_output(out).values()))["meta"]
+    assert meta["settings"]["sampling"] == {"top_p": 0.8, "top_k": 1, "win_size": 10, "tau_r": 2.0}
+
+
+def test_stage_batches_follow_real_lengths_and_the_cost_budget():
+    from cosybatch.engines.cosyvoice import FLOW_QUADRATIC_FRAMES, flow_cost, stage_batches
+
+    cost = {0: 100, 1: 90, 2: 80, 3: 50, 4: 40, 5: 10}
+    assert stage_batches([0, 1, 2, 3, 4, 5], cost, 2) == [[0, 1], [2, 3], [4, 5]]
+    # Padded cost = items x the first (longest) item's cost: 3 x 100 > 250, 3 x 80 <= 250.
+    assert stage_batches([0, 1, 2, 3, 4, 5], cost, 8, budget=250) == [[0, 1], [2, 3, 4], [5]]
+    assert stage_batches([0], {0: 10**9}, 8, budget=1) == [[0]], "an item over the budget still runs, alone"
+    # Attention makes long items cost more than their length says.
+    assert flow_cost(2 * FLOW_QUADRATIC_FRAMES) == 3 * flow_cost(FLOW_QUADRATIC_FRAMES), "twice the frames, 3x the cost"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_flow_is_finite_and_close_to_fp32(cosyvoice_dir, precision):
+    """Weights converted once (the vocoder stays fp32); a padded batch stays finite and within 2%
+    of fp32 on every item's mel."""
+    import torch
+
+    from cosybatch.cosyvoice.flow import FlowInput
+    from cosybatch.cosyvoice.token2wav import Token2Wav
+
+    items = [FlowInput(torch.arange(40) % 6561, torch.randn(192, generator=torch.Generator().manual_seed(1))),
+             FlowInput(torch.arange(15) % 6561, torch.randn(192, generator=torch.Generator().manual_seed(2)))]
+    reference = Token2Wav(cosyvoice_dir).mels(items)
+    half = Token2Wav(cosyvoice_dir, precision=precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert {p.dtype for p in half.flow.parameters()} == {dtype}
+    assert {p.dtype for p in half.hift.parameters()} == {torch.float32}
+    for want, got in zip(reference, half.mels(items), strict=True):
+        assert got.shape == want.shape and bool(torch.isfinite(got).all())
+        assert float((got - want).norm() / want.norm()) < 0.02

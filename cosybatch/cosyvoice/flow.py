@@ -362,11 +362,14 @@ class CausalConditionalDecoder(nn.Module):
         return x.transpose(1, 2)
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
-        """x, mu, cond: (B, 80, T); mask: (B, 1, T); t: (B,); spks: (B, 80)."""
-        temb = self.time_mlp(timestep_features(t, self.in_channels).to(t.dtype))
+        """x, mu, cond: (B, 80, T); mask: (B, 1, T); t: (B,) (any float dtype); spks: (B, 80)."""
+        temb = self.time_mlp(timestep_features(t.float(), self.in_channels).to(x.dtype))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.size(2)), cond], dim=1)
-        # Additive attention bias: 0 on real keys, -1e10 on padded ones (as upstream's mask_to_bias).
-        bias = (1.0 - mask.to(x.dtype))[:, :, None, :] * -1.0e10
+        # Additive attention bias: 0 on real keys, -1e10 on padded ones (as upstream's mask_to_bias);
+        # in fp16, whose range ends at 65504, -1e10 would become -inf (a row of only -inf is NaN),
+        # so the most negative finite fp16 value instead.
+        hidden = -min(1.0e10, torch.finfo(x.dtype).max)
+        bias = torch.zeros_like(mask, dtype=x.dtype).masked_fill(mask == 0, hidden)[:, :, None, :]
         resnet, blocks, down = self.down_blocks[0]
         h = self._attend(resnet(h, mask, temb), blocks, bias)
         skip = h
@@ -394,18 +397,21 @@ class CausalConditionalCFM(nn.Module):
         self.inference_cfg_rate = inference_cfg_rate
 
     def forward(self, z: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int) -> Tensor:
-        t_span = torch.linspace(0, 1, n_timesteps + 1, device=mu.device, dtype=mu.dtype)
+        # The solver's state and time stay fp32 whatever the estimator's dtype: ten Euler steps
+        # accumulate, and the state is small (80 x frames).
+        t_span = torch.linspace(0, 1, n_timesteps + 1, device=mu.device, dtype=torch.float32)
         if self.t_scheduler == "cosine":
             t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-        b = mu.size(0)
+        b, dtype = mu.size(0), mu.dtype
         # The guided and the unconditioned pass run as one batch of 2B.
         mask_in = torch.cat([mask, mask])
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        x, t, dt = z, t_span[0], t_span[1] - t_span[0]
+        x, t, dt = z.float(), t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            velocity = self.estimator(torch.cat([x, x]), mask_in, mu_in, t.expand(2 * b), spks_in, cond_in)
+            x_in = torch.cat([x, x]).to(dtype)
+            velocity = self.estimator(x_in, mask_in, mu_in, t.expand(2 * b), spks_in, cond_in).float()
             guided, free = velocity[:b], velocity[b:]
             x = x + dt * ((1.0 + self.inference_cfg_rate) * guided - self.inference_cfg_rate * free)
             t = t + dt
@@ -490,7 +496,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
         for i, item in enumerate(items):
             mel = item.prompt_mel if item.prompt_mel is not None else empty_mel
             cond[i, :, : mel.size(0)] = mel.to(device, dtype).t()
-        z = self.noise(frames, device, dtype).expand(len(items), -1, -1)
+        z = self.noise(frames, device, torch.float32).expand(len(items), -1, -1)
         mel = self.decoder(z, mu, mask, spks, cond, self.n_timesteps)
         return [mel[i, :, prompt_frames[i] : int(mel_lengths[i])] for i in range(len(items))]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,8 +17,9 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Token2Wav:
     """The flow and the vocoder of one CosyVoice2 model directory.
 
-    ``precision`` other than fp32 runs the flow under CUDA autocast (the vocoder stays fp32, as
-    upstream's fp16 mode does); on CPU it is refused rather than silently ignored.
+    ``precision`` bf16 or fp16 converts the flow's weights once, at load; the flow's Euler state,
+    its time features and its starting noise stay fp32, and the vocoder stays fp32 (as upstream's
+    fp16 mode keeps it).
     """
 
     def __init__(
@@ -29,25 +29,18 @@ class Token2Wav:
         self.device = torch.device(device)
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if precision != "fp32" and self.device.type != "cuda":
-            raise ValueError(f"precision {precision} needs a CUDA device; on {self.device.type} use fp32")
         self.precision = precision
         self.flow = load_flow(self.config, self.device)
+        if PRECISIONS[precision] is not None:
+            self.flow.to(dtype=PRECISIONS[precision])
         self.hift = load_hift(self.config, self.device)
         self.sample_rate = self.config.sample_rate
         self.samples_per_frame = self.config.samples_per_token // self.flow.token_mel_ratio
 
-    def _autocast(self):
-        dtype = PRECISIONS[self.precision]
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
-
     @torch.inference_mode()
     def mels(self, items: Sequence[FlowInput]) -> list[torch.Tensor]:
         """One (80, 2T) fp32 mel per item, on the model's device."""
-        with self._autocast():
-            return [m.float() for m in self.flow.inference(items)]
+        return [m.float() for m in self.flow.inference(items)]
 
     @torch.inference_mode()
     def vocode(self, mels: Sequence[torch.Tensor], seeds: Sequence[int]) -> list[np.ndarray]:

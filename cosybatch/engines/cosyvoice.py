@@ -9,7 +9,6 @@ embedding and prompt.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,20 @@ MAX_SEGMENT_TOKENS = 80
 # Speech tokens per text token, to estimate a segment's cost for bucketing (English, measured on
 # upstream's demo outputs: about 6 to 8; the LM bounds it to 2..20).
 TOKENS_PER_TEXT_TOKEN = 7
+# Stage defaults per device (see the README's CosyVoice throughput section for the measurements):
+# decode slots of the LM, segments per planner batch (the pool's queue), items per flow and per
+# vocoder call. On CPU the LM gains from batching and the flow and vocoder do not.
+STAGE_DEFAULTS = {
+    "cpu": {"lm_slots": 16, "window": 48, "flow_batch": 1, "hift_batch": 1},
+    "cuda": {"lm_slots": 64, "window": 256, "flow_batch": 32, "hift_batch": 32},
+}
+# Flow cost of an item of L mel frames (prompt frames included), in units of frames:
+# L * (1 + L / FLOW_QUADRATIC_FRAMES). Convolutions and linear layers grow with L, the estimator's
+# self-attention with L^2; this is the length at which the two cost the same.
+FLOW_QUADRATIC_FRAMES = 2048
+# The longest prompt a decode slot is sized for up front (speech tokens of a 30 s prompt, its text,
+# the segment, control ids); longer ones grow the pool.
+PROMPT_TOKENS_RESERVED = 30 * 25 + 200
 
 
 @dataclass(frozen=True)
@@ -56,19 +69,26 @@ class CosyVoiceOptions:
     prompt_dir: Optional[Path] = None
     """A folder (besides the corpus file's own) that rows' prompt_wav paths may point into."""
     precision: str = "fp32"
-    """fp32, or bf16/fp16 autocast for the LM and flow on CUDA."""
+    """fp32, or bf16/fp16: the LM's and the flow's weights converted once at load (the vocoder stays fp32)."""
     max_segment_tokens: int = MAX_SEGMENT_TOKENS
     """Text tokens per LM segment (upstream packs about 80)."""
+    lm_slots: Optional[int] = None
+    """Decode slots of the LM (continuous batching); unset: 16 on CPU, 64 on CUDA."""
     flow_batch: Optional[int] = None
-    """Items per flow call; unset: the LM batch."""
+    """Most items per flow call, grouped by their real token counts; unset: 1 on CPU, 32 on CUDA."""
     hift_batch: Optional[int] = None
-    """Items per vocoder call; unset: the LM batch."""
+    """Most items per vocoder call, grouped by length; unset: 1 on CPU, 32 on CUDA."""
+    cuda_graphs: bool = True
+    """Replay the LM's decode step from CUDA graphs (CUDA only; false: eager)."""
 
     def __post_init__(self) -> None:
         if self.model is None:
             raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
+        for name in ("lm_slots", "flow_batch", "hift_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UsageError(f"--engine-opt {name} must be at least 1 (got {getattr(self, name)})")
 
 
 class CosyVoiceEngine(Engine):
@@ -91,7 +111,7 @@ class CosyVoiceEngine(Engine):
         from ..cosyvoice.llm import Sampling, load_llm
         from ..cosyvoice.model import ModelDirError, read_config
         from ..cosyvoice.text import QwenTextTokenizer, normalize
-        from ..cosyvoice.token2wav import Token2Wav
+        from ..cosyvoice.token2wav import PRECISIONS, Token2Wav
 
         opts: CosyVoiceOptions = options.engine
         model, precision = opts.model, opts.precision
@@ -100,7 +120,6 @@ class CosyVoiceEngine(Engine):
         self.corpus_dir = Path(options.corpus_dir)
         self.prompt_dir = opts.prompt_dir
         self.max_segment_tokens = opts.max_segment_tokens
-        self.flow_batch, self.hift_batch = opts.flow_batch, opts.hift_batch
 
         cuda = torch.cuda.is_available()
         if options.device == "cuda" and not cuda:
@@ -110,16 +129,23 @@ class CosyVoiceEngine(Engine):
         if self.device == "cpu":
             # Small ops: one thread per worker is fastest (several workers run side by side).
             torch.set_num_threads(max(1, options.threads))
+        defaults = STAGE_DEFAULTS[self.device]
+        self.lm_slots = opts.lm_slots or defaults["lm_slots"]
+        self.flow_batch = opts.flow_batch or defaults["flow_batch"]
+        self.hift_batch = opts.hift_batch or defaults["hift_batch"]
+        self.window = defaults["window"]
+        self.cuda_graphs = opts.cuda_graphs
         self.model_dir = Path(model)
         self.precision = precision
-        self.sampling = Sampling()
         try:
             config = read_config(self.model_dir)
+            self.sampling = Sampling.from_yaml(config.llm)
             self.tokenizer = QwenTextTokenizer(self.model_dir / "CosyVoice-BlankEN")
-            self.lm = load_llm(self.model_dir, self.device)
+            self.lm = load_llm(self.model_dir, self.device, PRECISIONS[precision] or torch.float32)
             self.t2w = Token2Wav(config, self.device, precision)
         except (ModelDirError, OSError, ValueError) as exc:
             raise UsageError(f"--model {self.model_dir}: {exc}") from None
+        self.last_lm_stats = None
         providers = None
         if self.device == "cuda":
             from .. import gpu
@@ -161,6 +187,9 @@ class CosyVoiceEngine(Engine):
         from .. import gpu
 
         pool = gpu.setup_pool(fraction, self.device, headroom_bytes=HEADROOM_BYTES)
+        # The LM's KV cache is one fixed pool, allocated now, before the probe measures the rest.
+        self.lm.slot_pool(self.lm_slots, self._slot_capacity(), 20 * self.max_segment_tokens, self.sampling,
+                          self.cuda_graphs)
         per_unit = self._probe()
         self.probed_budget = gpu.budget_from_probe(per_unit, pool.pool_bytes)
         self.pool_info = asdict(pool) | {"bytes_per_cost_unit": per_unit, "probed_budget": self.probed_budget}
@@ -170,8 +199,7 @@ class CosyVoiceEngine(Engine):
 
         The flow and the vocoder run on two synthetic segments of the longest planned length (their
         attention grows faster than linearly, so the longest is the costliest per unit). The LM's
-        KV cache is computed, not probed: a batch reserves room for 20 speech tokens per text token
-        (upstream's maximum) and briefly holds two copies when finished rows leave the batch."""
+        KV cache is not per unit: its slot pool is allocated before the probe."""
         from .. import gpu
         from ..cosyvoice.flow import FlowInput
         from ..cosyvoice.llm import LMRequest
@@ -185,25 +213,24 @@ class CosyVoiceEngine(Engine):
                     for i in range(rows)]
         items = [FlowInput(torch.arange(tokens) % 6561, embedding) for _ in range(rows)]
         mels = self.t2w.mels(items)
-        c = self.lm.config
-        element = 2 if self.precision != "fp32" else 4
-        kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * element
-        kv_per_unit = 2 * kv_per_token * 20 / TOKENS_PER_TEXT_TOKEN
         return {
-            "lm": gpu.probe_stage(lambda: self.lm.generate(requests, self.sampling), units, self.device) + kv_per_unit,
+            "lm": gpu.probe_stage(lambda: self.lm.generate(requests, self.sampling, slots=self.lm_slots,
+                                                           cuda_graphs=self.cuda_graphs), units, self.device),
             "flow": gpu.probe_stage(lambda: self.t2w.mels(items), units, self.device),
             "hift": gpu.probe_stage(lambda: self.t2w.vocode(mels, list(range(rows))), units, self.device),
         }
 
+    def _slot_capacity(self) -> int:
+        return PROMPT_TOKENS_RESERVED + self.max_segment_tokens + 20 * self.max_segment_tokens + 1
+
     def describe(self) -> dict:
-        s = self.sampling
         return {
             "model": self.model_dir.name,
             "model_files": self._files,
             "sample_rate": self.sample_rate,
             "precision": self.precision,
             "voice": None if self.default_voice is None else self.default_voice.key,
-            "sampling": {"top_p": s.top_p, "top_k": s.top_k, "win_size": s.win_size, "tau_r": s.tau_r},
+            "sampling": self.sampling.describe(),
             "max_segment_tokens": self.max_segment_tokens,
         }
 
@@ -211,8 +238,9 @@ class CosyVoiceEngine(Engine):
         return MemoryPlan(self.probed_budget, self.pool_info)
 
     def batch_defaults(self) -> tuple[int, int]:
-        """(units per batch, padded cost per unit): batching pays on GPU only (measured on CPU: no gain)."""
-        return (1, 1 << 30) if self.device == "cpu" else (32, TOKENS_PER_TEXT_TOKEN * MAX_SEGMENT_TOKENS)
+        """(segments per planner batch, padded cost per segment): a planner batch is the queue of
+        the LM's slot pool, a few times the slots so they stay full while rows finish."""
+        return self.window, TOKENS_PER_TEXT_TOKEN * MAX_SEGMENT_TOKENS
 
     # -- voices -------------------------------------------------------------------------------
     def _voice(self, request: Optional[VoiceRequest]):
@@ -269,13 +297,10 @@ class CosyVoiceEngine(Engine):
         return Prepared(tuple(costs), tuple(payloads), spoken, voice=chosen.key)
 
     # -- audio --------------------------------------------------------------------------------
-    def _autocast(self):
-        dtypes = {"bf16": self._torch.bfloat16, "fp16": self._torch.float16}
-        if self.precision == "fp32" or self.device != "cuda":
-            return contextlib.nullcontext()
-        return self._torch.autocast(device_type="cuda", dtype=dtypes[self.precision])
-
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:
+        """The LM decodes every segment in its slot pool; then the flow and the vocoder take the
+        segments regrouped by the speech tokens the LM really made, longest first, each stage in
+        its own batch sizes."""
         from ..cosyvoice.flow import FlowInput
         from ..cosyvoice.llm import LMRequest
 
@@ -290,27 +315,51 @@ class CosyVoiceEngine(Engine):
                 prompt_speech=s.voice.prompt_tokens.tolist() if zero_shot and s.voice.prompt_tokens is not None else (),
                 seed=s.seed,
             ))
-        with self._autocast():
-            tokens = self.lm.generate(requests, self.sampling)
+        tokens = self.lm.generate(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
+        self.last_lm_stats = self.lm.last_stats
         items = [
             FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
             for s, t in zip(segs, tokens, strict=True)
         ]
+        ratio = self.t2w.flow.token_mel_ratio
+        # Mel frames each item's flow computes: its prompt's and its own.
+        frames = {i: ratio * (len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
+                  for i, (s, t) in enumerate(zip(segs, tokens, strict=True)) if t}
         audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
-        todo = [i for i, t in enumerate(tokens) if t]
-        # The flow and the vocoder may take other batch sizes than the LM: longest first, in chunks.
-        todo.sort(key=lambda i: -len(tokens[i]))
         mels: dict[int, object] = {}
-        for chunk in _chunks(todo, self.flow_batch):
+        by_frames = sorted(frames, key=lambda i: -frames[i])
+        budget = self.flow_batch * flow_cost(2 * TOKENS_PER_TEXT_TOKEN * self.max_segment_tokens)
+        for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
             for i, mel in zip(chunk, self.t2w.mels([items[i] for i in chunk]), strict=True):
                 mels[i] = mel
-        for chunk in _chunks(todo, self.hift_batch):
+        lengths = {i: mel.size(1) for i, mel in mels.items()}
+        for chunk in stage_batches(sorted(lengths, key=lambda i: -lengths[i]), lengths, self.hift_batch):
             wavs = self.t2w.vocode([mels[i] for i in chunk], [segs[i].seed for i in chunk])
             for i, wav in zip(chunk, wavs, strict=True):
                 audio[i] = wav
-        real = sum(len(t) for t in tokens)
-        padded = max((len(t) for t in tokens), default=0) * len(tokens)
-        return Synthesised(audio, real, padded)
+        # Padding statistics are the LM's: rows decoded (tokens made) against slot-steps computed.
+        stats = self.last_lm_stats
+        return Synthesised(audio, stats.live_slot_steps, stats.slot_steps)
+
+
+def flow_cost(frames: int) -> float:
+    """The flow's cost of an item of ``frames`` mel frames: linear layers plus self-attention."""
+    return frames * (1 + frames / FLOW_QUADRATIC_FRAMES)
+
+
+def stage_batches(order: list[int], cost: dict[int, float], max_items: int,
+                  budget: Optional[float] = None) -> list[list[int]]:
+    """Consecutive chunks of ``order`` (longest first) of at most ``max_items``, each within
+    ``budget`` counted as padded cost (items x the cost of its first, longest item); an item over
+    the budget alone still gets a chunk of its own."""
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and len(chunks[-1]) < max_items and (
+                budget is None or (len(chunks[-1]) + 1) * cost[chunks[-1][0]] <= budget):
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
 
 
 MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
@@ -344,8 +393,3 @@ def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path],
             raise UsageError(str(exc)) from None
         prompt = {"path": str(prompt_wav), "seconds": round(len(audio) / rate, 3), "text": prompt_text}
     return {"model": str(model), "speakers": bank.speakers, "speaker": speaker, "prompt": prompt}
-
-
-def _chunks(indices: list[int], size) -> list[list[int]]:
-    size = int(size) if size else max(1, len(indices))
-    return [indices[k : k + size] for k in range(0, len(indices), size)]
