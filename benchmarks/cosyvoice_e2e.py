@@ -1,44 +1,122 @@
-"""CosyVoice2 end to end (LM -> flow -> HiFT): cosybatch's batched engine against upstream's
-per-utterance path, on the same random weights, in one run, printed as real-time factors and ratios.
+"""CosyVoice2 end to end (LM -> flow -> HiFT) on the same random weights, side by side in one run:
+cosybatch's engine at its defaults, cosybatch as of an earlier commit (``--baseline``, by default
+the last commit before the slot pool, whose CPU default ran one segment per batch), and upstream's
+per-utterance loop (``CosyVoice2Model.tts``, non-streaming: ``Qwen2LM.inference``, then
+``flow.inference`` and ``hift.inference``).
 
-Upstream's path is what ``CosyVoice2Model.tts`` does for one utterance (non-streaming): its
-``Qwen2LM.inference`` (transformers Qwen2 with a KV cache, repetition-aware sampling in Python),
-then ``flow.inference`` and ``hift.inference``. Random weights never emit the stop token, so both
-sides have it disabled and generate exactly 20 speech tokens per text token (upstream's maximum),
-which fixes the work per item. The text frontend is left out on both sides (same cost).
+Each path runs in its own process (the baseline's from ``git archive`` of that commit), loads the
+model untimed, then synthesises the same segments; with ``--rounds N`` the paths alternate, so a
+busy machine slows them alike. Random weights never emit the stop token, so it is kept off on
+every path and each segment makes 20 speech tokens per text token; segments have 3 to 15 text
+tokens (2.4 to 12 s of audio). The text frontend is left out everywhere (same cost).
 
-    python benchmarks/cosyvoice_e2e.py                                  # CPU, tiny weights
-    python benchmarks/cosyvoice_e2e.py --size real --device cuda --items 64 --batch-sizes 1,8,32
+    python benchmarks/cosyvoice_e2e.py --size real --items 24            # CPU, the issue's setup
+    python benchmarks/cosyvoice_e2e.py --size tiny --items 8             # a quick look
+    python benchmarks/cosyvoice_e2e.py --device cuda --size real --items 256 --paths ours,upstream
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-import upstream  # noqa: E402
-
-from cosybatch.cosyvoice.tiny import write_model_dir  # noqa: E402
-from cosybatch.engines import EngineOptions, VoiceRequest, open_engine  # noqa: E402
-from cosybatch.engines.cosyvoice import CosyVoiceOptions, Segment  # noqa: E402
-from cosybatch.plan import Unit  # noqa: E402
+BASELINE = "5acef70"  # the last commit before the slot pool
 
 
-def sync(device: str) -> None:
+def segments_spec(n: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(900) for _ in range(rng.randint(3, 15))] for _ in range(n)]
+
+
+def worker(args) -> None:
+    """Load one path's model, then time it on the segments; print one JSON line."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import cosybatch
+    from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
+    from cosybatch.engines.cosyvoice import CosyVoiceOptions, Segment
+    from cosybatch.plan import Unit
+
+    device = args.device
+    if device == "cpu":
+        torch.set_num_threads(1)
+    texts = json.loads(args.segments)
+    extra = {}  # options the baseline may not know are passed only when set
+    if args.lm_slots:
+        extra["lm_slots"] = args.lm_slots
+    if args.no_cuda_graphs:
+        extra["cuda_graphs"] = False
+    engine = open_engine("cosyvoice", None, EngineOptions(device=device, threads=1, engine=CosyVoiceOptions(
+        model=Path(args.model), speaker="alice", precision=args.precision, **extra)))
+    with torch.no_grad():
+        engine.lm.llm_decoder.bias[6561:] = -1e4
+    voice = engine._voice(VoiceRequest("alice", None, None, True))
+    segments = [Segment(tuple(t), voice, (), i) for i, t in enumerate(texts)]
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    lm = {"seconds": 0.0, "tokens": 0, "slot_steps": 0, "live_slot_steps": 0}
+    generate = engine.lm.generate
+
+    def timed_generate(*a, **k):
+        sync()
+        t = time.perf_counter()
+        out = generate(*a, **k)
+        sync()
+        lm["seconds"] += time.perf_counter() - t
+        lm["tokens"] += sum(len(x) for x in out)
+        stats = getattr(engine.lm, "last_stats", None)
+        if stats is not None:
+            lm["slot_steps"] += stats.slot_steps
+            lm["live_slot_steps"] += stats.live_slot_steps
+        return out
+
+    if args.worker == "upstream":
+        run = upstream_runner(engine, Path(args.model), device)
+    else:
+        size = engine.batch_defaults()[0]
+        # As the planner would: segments sorted by cost, cut into batches of the engine's default size.
+        order = sorted(range(len(segments)), key=lambda i: -len(segments[i].text_tokens))
+
+        def run(segs):
+            for s in range(0, len(segs), size):
+                chunk = [segs[i] for i in order if i < len(segs)][s : s + size]
+                engine.synthesize([Unit(k, 0, 1, "", seg) for k, seg in enumerate(chunk)])
+
+    run(segments[:2])  # warm-up
+    engine.lm.generate = timed_generate
     if device == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    start = time.perf_counter()
+    run(segments)
+    sync()
+    wall = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    live = lm["live_slot_steps"] / lm["slot_steps"] if lm["slot_steps"] else None
+    print(json.dumps({"path": args.worker, "wall": wall, "cosybatch": str(Path(cosybatch.__file__).parent),
+                      "lm_seconds": lm["seconds"], "lm_tokens": lm["tokens"], "live_fraction": live,
+                      "peak_bytes": peak}))
 
 
-def upstream_lm(model_dir: Path, hidden: int, device: str):
+def upstream_runner(engine, model_dir: Path, device: str):
+    import torch
+    import upstream
+
     upstream.load()
     from cosyvoice.llm.llm import Qwen2Encoder, Qwen2LM
     from cosyvoice.utils.common import ras_sampling
@@ -46,88 +124,107 @@ def upstream_lm(model_dir: Path, hidden: int, device: str):
     def sampling(scores, decoded, k):
         return ras_sampling(scores, decoded, k, top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 
+    hidden = engine.lm.config.hidden_size
     lm = Qwen2LM(llm_input_size=hidden, llm_output_size=hidden, speech_token_size=6561, sampling=sampling,
                  llm=Qwen2Encoder(str(model_dir / "CosyVoice-BlankEN")), length_normalized_loss=True,
                  lsm_weight=0, mix_ratio=[5, 15])
     lm.load_state_dict(torch.load(model_dir / "llm.pt", map_location="cpu", weights_only=True), strict=True)
     with torch.no_grad():
         lm.llm_decoder.bias[6561:] = -1e4
-    return lm.to(device).eval()
+    lm = lm.to(device).eval()
+    flow, hift = upstream.token2wav_models(model_dir, device)
+
+    def run(segs):
+        with torch.inference_mode():
+            for seg in segs:
+                text = torch.tensor([seg.text_tokens], dtype=torch.int32, device=device)
+                empty = torch.zeros(1, 0, dtype=torch.int32, device=device)
+                zero = torch.tensor([0], device=device)
+                embedding = seg.voice.embedding[None].to(device)
+                tokens = list(lm.inference(text=text, text_len=torch.tensor([text.size(1)], device=device),
+                                           prompt_text=empty, prompt_text_len=zero, prompt_speech_token=empty,
+                                           prompt_speech_token_len=zero, embedding=embedding))
+                mel, _ = flow.inference(
+                    token=torch.tensor([tokens], device=device), token_len=torch.tensor([len(tokens)], device=device),
+                    prompt_token=empty, prompt_token_len=zero, prompt_feat=torch.zeros(1, 0, 80, device=device),
+                    prompt_feat_len=zero, embedding=embedding, streaming=False, finalize=True)
+                hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0, device=device))
+
+    return run
 
 
-def run_upstream(lm, flow, hift, segments: list[Segment], device: str) -> float:
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for seg in segments:
-            text = torch.tensor([seg.text_tokens], dtype=torch.int32, device=device)
-            empty = torch.zeros(1, 0, dtype=torch.int32, device=device)
-            zero = torch.tensor([0], device=device)
-            tokens = list(lm.inference(text=text, text_len=torch.tensor([text.size(1)], device=device),
-                                       prompt_text=empty, prompt_text_len=zero, prompt_speech_token=empty,
-                                       prompt_speech_token_len=zero, embedding=seg.voice.embedding[None].to(device)))
-            mel, _ = flow.inference(
-                token=torch.tensor([tokens], device=device), token_len=torch.tensor([len(tokens)], device=device),
-                prompt_token=empty, prompt_token_len=torch.tensor([0], device=device),
-                prompt_feat=torch.zeros(1, 0, 80, device=device), prompt_feat_len=torch.tensor([0], device=device),
-                embedding=seg.voice.embedding[None].to(device), streaming=False, finalize=True)
-            hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0, device=device))
-    sync(device)
-    return time.perf_counter() - start
-
-
-def run_ours(engine, segments: list[Segment], batch: int) -> float:
-    order = sorted(range(len(segments)), key=lambda i: len(segments[i].text_tokens))
-    sync(engine.device)
-    start = time.perf_counter()
-    for s in range(0, len(order), batch):
-        chunk = [segments[i] for i in order[s : s + batch]]
-        engine.synthesize([Unit(k, 0, 1, "", seg) for k, seg in enumerate(chunk)])
-    sync(engine.device)
-    return time.perf_counter() - start
+def baseline_tree(ref: str, into: Path) -> Path:
+    """The package as of ``ref``, unpacked from git (the working tree is not touched)."""
+    archive = into / "baseline.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), ref, "cosybatch"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into / "baseline", filter="data")
+    return into / "baseline"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--items", type=int, default=None, help="utterances (default 8 on CPU, 64 on GPU)")
-    ap.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8 on CPU, 1,8,32 on GPU)")
+    ap.add_argument("--size", choices=("tiny", "real"), default="real")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--items", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--paths", default="ours,baseline,upstream")
+    ap.add_argument("--baseline", default=BASELINE, help="git commit of the baseline path")
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--lm-slots", type=int, default=None, help="decode slots (default: the engine's)")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--worker", choices=("ours", "baseline", "upstream"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--segments", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    cuda = args.device == "cuda"
-    n_items = args.items or (64 if cuda else 8)
-    sizes = [int(b) for b in (args.batch_sizes or ("1,8,32" if cuda else "1,8")).split(",")]
-    if not cuda:
-        torch.set_num_threads(1)
+    if args.worker:
+        worker(args)
+        return
+
+    from cosybatch.cosyvoice.tiny import write_model_dir
+
+    texts = segments_spec(args.items)
+    audio_s = sum(20 * len(t) * 2 * 480 for t in texts) / 24000
+    paths = args.paths.split(",")
+    times: dict[str, list[float]] = {p: [] for p in paths}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp) / "model", size=args.size)
-        engine = open_engine("cosyvoice", None, EngineOptions(device=args.device, threads=1, engine=CosyVoiceOptions(
-            model=model_dir, speaker="alice")))
-        with torch.no_grad():
-            engine.lm.llm_decoder.bias[6561:] = -1e4  # fixed work: no stop token, 20 tokens per text token
-        up_lm = upstream_lm(model_dir, engine.lm.config.hidden_size, args.device)
-        up_flow, up_hift = upstream.token2wav_models(model_dir, args.device)
-        gen = torch.Generator().manual_seed(0)
-        voice = engine._voice(VoiceRequest("alice", None, None, True))
-        # 4 to 10 text tokens -> 80 to 200 speech tokens -> 3.2 to 8 s of audio per item.
-        segments = [Segment(tuple(torch.randint(0, 900, (int(torch.randint(4, 11, (1,), generator=gen)),),
-                                                generator=gen).tolist()), voice, (), i) for i in range(n_items)]
-        audio_s = sum(20 * len(s.text_tokens) * 2 * 480 for s in segments) / 24000
-        run_ours(engine, segments[:2], 2)  # warm-up
-        run_upstream(up_lm, up_flow, up_hift, segments[:1], args.device)
-        times: dict[str, list[float]] = {"upstream per utterance": []} | {f"cosybatch batch {b}": [] for b in sizes}
+        model = write_model_dir(Path(tmp) / "model", size=args.size)
+        old = baseline_tree(args.baseline, Path(tmp)) if "baseline" in paths else None
         for _ in range(args.rounds):
-            times["upstream per utterance"].append(run_upstream(up_lm, up_flow, up_hift, segments, args.device))
-            for b in sizes:
-                times[f"cosybatch batch {b}"].append(run_ours(engine, segments, b))
-    base = statistics.median(times["upstream per utterance"])
-    print(f"{n_items} items, {audio_s:.1f} s of audio, {args.size} weights, {args.device}, "
-          f"threads={torch.get_num_threads()}")
-    print(f"{'path':<26} {'RTF':>8} {'speed-up':>9}")
-    for name, values in times.items():
-        wall = statistics.median(values)
-        print(f"{name:<26} {wall / audio_s:>8.4f} {base / wall:>8.2f}x")
+            for path in paths:
+                env = dict(os.environ)
+                if path == "baseline":
+                    env["PYTHONPATH"] = str(old) + os.pathsep + env.get("PYTHONPATH", "")
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--worker", path, "--model", str(model), "--device", args.device,
+                     "--precision", args.precision, "--segments", json.dumps(texts),
+                     *(["--lm-slots", str(args.lm_slots)] if args.lm_slots and path == "ours" else []),
+                     *(["--no-cuda-graphs"] if args.no_cuda_graphs and path == "ours" else [])],
+                    capture_output=True, text=True, env=env, check=False)
+                if proc.returncode != 0:
+                    raise SystemExit(f"{path} failed:\n{proc.stderr[-3000:]}")
+                line = json.loads(proc.stdout.strip().splitlines()[-1])
+                expected = old if path == "baseline" else ROOT
+                if not line["cosybatch"].startswith(str(expected)):
+                    raise SystemExit(f"{path} imported cosybatch from {line['cosybatch']}, not {expected}")
+                times[path].append(line["wall"])
+    walls = {p: statistics.median(v) for p, v in times.items()}
+    result = {"size": args.size, "device": args.device, "items": args.items, "audio_s": round(audio_s, 1),
+              "precision": args.precision, "baseline": args.baseline, "rounds": args.rounds,
+              "paths": {p: {"wall_s": round(w, 2), "audio_s_per_s": round(audio_s / w, 3), "rtf": round(w / audio_s, 4)}
+                        for p, w in walls.items()}}
+    if "ours" in walls:
+        result["ours_vs"] = {p: round(w / walls["ours"], 2) for p, w in walls.items() if p != "ours"}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{args.items} segments, {audio_s:.1f} s of audio, {args.size} weights, {args.device}, {args.precision}")
+    print(f"{'path':<10} {'wall s':>8} {'audio-s/s':>10} {'RTF':>8}")
+    for p, w in walls.items():
+        print(f"{p:<10} {w:>8.1f} {audio_s / w:>10.3f} {w / audio_s:>8.4f}")
+    for p, ratio in result.get("ours_vs", {}).items():
+        print(f"ours is {ratio}x {p}")
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ def test_item_audio_does_not_depend_on_its_batch(engine):
     (["--speaker", "carol"], "unknown speaker 'carol'"),
     (["--prompt-wav", "nope.wav", "--prompt-text", "x"], "nope.wav"),
     (["--device", "cuda"], "no usable CUDA GPU"),
+    (["--precision", "bf16", "--device", "cpu"], "is for CUDA; on CPU use fp32"),
 ])
 def test_bad_job_level_voice_or_device_is_a_usage_error(cosyvoice_dir, corpus, tmp_path, args, message):
     import torch
