@@ -35,15 +35,21 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 D = RunConfig.field_docs()
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from . import __version__
 
         print(__version__)
         raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    # Eager: handled while parsing, so `cosybatch --version` needs no command after it.
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=_print_version),
+) -> None:
+    pass
 
 
 NOT_IN_SPECS = ("ctx", "job", "check")
@@ -326,6 +332,30 @@ def verify_cmd(
         _fail(str(exc), exc.exit_code)
     print(json.dumps(result) if as_json else describe(result))
     raise typer.Exit(EXIT_OK if result["ok"] else EXIT_BAD_INPUT)
+
+
+@app.command("doctor")
+def doctor_cmd(
+    device: Optional[str] = typer.Option(None, "--device", help="cuda: exit 2 unless every engine checked can run "
+                                         "on CUDA here."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="Check this engine only (default: each installed "
+                                         "engine whose GPU runtime, torch or onnxruntime, is installed)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    """Report the install: cosybatch, Python, torch and its CUDA build, the GPUs and their free memory,
+    the GPU allocator backend, which onnxruntime builds are installed and their providers, and
+    whether each engine could run with --device cuda."""
+    from .doctor import describe, diagnose
+
+    try:
+        report = diagnose(device=device, engine=engine)
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    print(json.dumps(report) if as_json else describe(report))
+    if not report["ok"]:
+        if as_json:  # the report is the last line, with its exit_code and error
+            raise typer.Exit(report["exit_code"])
+        _fail(report["error"], report["exit_code"])
 
 
 @app.command("engines")

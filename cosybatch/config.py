@@ -78,6 +78,9 @@ class RunConfig:
     """Prometheus textfile (for node_exporter), rewritten atomically during and after the run."""
     pushgateway: Optional[str] = None
     """Prometheus Pushgateway URL to push the final metrics to."""
+    metrics_job: Optional[str] = None
+    """Job name for metrics: the Pushgateway job and the cosybatch_job label; unset: the output
+    folder's name plus a hash of its full path."""
     export: tuple = ()
     """Dataset formats to write at the end besides WebDataset: hf, nemo, lhotse."""
     restart: bool = False

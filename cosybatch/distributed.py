@@ -31,15 +31,23 @@ def parse_shard(spec: Optional[str], env: Mapping[str, str] = os.environ) -> tup
     if spec is None:
         return None, None
     text = spec.strip()
+    index = None
     try:
         if "/" in text:
             index_text, count_text = text.split("/", 1)
-            return int(index_text), int(count_text)
-        count = int(text)
+            index, count = int(index_text), int(count_text)
+        else:
+            count = int(text)
     except ValueError:
         raise UsageError(f"--shard {spec!r}: use I/N (worker I of N) or N (index from the scheduler)") from None
     if count < 1:
-        raise UsageError(f"--shard {spec}: the worker count must be at least 1")
+        raise UsageError(f"--shard {spec}: the worker count N must be at least 1; use I/N with 0 <= I < N, "
+                         "for example 0/4 for the first of 4 workers")
+    if index is not None:
+        if not 0 <= index < count:
+            raise UsageError(f"--shard {spec}: the worker index I must be in 0..{count - 1} (workers are "
+                             "numbered from 0)")
+        return index, count
     for name in INDEX_VARIABLES:
         if env.get(name, "").strip():
             index, source = _env_index(env, name, spec), f"{name}={env[name].strip()}"

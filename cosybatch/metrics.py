@@ -4,6 +4,8 @@ to a Pushgateway when the run ends."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Optional
 
 # Upper bounds of the batch-duration histogram, in seconds.
@@ -29,6 +31,14 @@ class BatchHistogram:
             total += count
             out.append((bound, total))
         return out
+
+
+def default_job_name(root: Path) -> str:
+    """A stable job name from the job's output folder: its name plus a hash of its full path, so
+    two jobs whose folders merely share a name never share a Pushgateway group."""
+    path = Path(root).resolve()
+    digest = hashlib.blake2b(str(path).encode("utf-8", "surrogateescape"), digest_size=4).hexdigest()
+    return f"{path.name}-{digest}"
 
 
 def registry(snapshot: dict, histogram: BatchHistogram, labels: dict[str, str]):
@@ -75,6 +85,12 @@ def registry(snapshot: dict, histogram: BatchHistogram, labels: dict[str, str]):
                                      labels=names)
             done.add_metric(values, 1.0 if snapshot.get("status") == "complete" else 0.0)
             yield done
+            last_success = snapshot.get("last_success_timestamp_seconds")
+            if last_success is not None:  # kept from run to run in stats.json
+                g = GaugeMetricFamily("cosybatch_last_success_timestamp_seconds",
+                                      "Unix time at which a run of this job last completed its corpus.", labels=names)
+                g.add_metric(values, float(last_success))
+                yield g
             info = InfoMetricFamily("cosybatch_run", "What this run is.", labels=names)
             info.add_metric(values, {k: str(snapshot.get(k, "")) for k in ("engine", "voice", "device", "status")})
             yield info
@@ -91,6 +107,7 @@ def write_textfile(path, reg) -> None:
 
 
 def push(url: str, reg, job: str, grouping: Optional[dict] = None) -> None:
+    """Replace the group /metrics/job/JOB[/shard/I/N] with this registry (an HTTP PUT)."""
     from prometheus_client import push_to_gateway
 
     push_to_gateway(url, job=job, registry=reg, grouping_key=grouping or {}, timeout=10)

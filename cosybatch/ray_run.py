@@ -190,7 +190,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
     if cfg.shard_count is not None:
         raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
     defaults = RunConfig(corpus=cfg.corpus, out=cfg.out)
-    unsupported = [name for name in ("metrics_file", "pushgateway", "max_runtime", "shard_max_items",
+    unsupported = [name for name in ("metrics_file", "pushgateway", "metrics_job", "max_runtime", "shard_max_items",
                                      "shard_max_bytes", "workers", "window", "allow_corpus_change")
                    if getattr(cfg, name) != getattr(defaults, name)]
     if unsupported:
@@ -202,6 +202,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
     out.lock()
     started_ray = False
     stop = threading.Event()
+    previous: dict = {}  # signal handlers to restore
     try:
         corpus = open_corpus(cfg)
         stats = Stats()
@@ -285,9 +286,13 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         (out.state / RAY_FAILURES_DIR).mkdir(parents=True, exist_ok=True)
         gate = RowGate(done_ids, failed_rows, cfg.max_chars)
         chunk: list[Row] = []
+        cut_short = False  # a stop request left rows unread or undispatched
         t_read = time.monotonic()
         for row in read_rows(corpus):
-            if stop.is_set() or (cfg.limit is not None and row.index >= cfg.limit):
+            if cfg.limit is not None and row.index >= cfg.limit:
+                break
+            if stop.is_set():
+                cut_short = True
                 break
             admitted = gate.admit(row)
             if admitted is None:
@@ -302,18 +307,19 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
                 pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
                 chunk = []
                 flush_driver_failures()
-        if chunk and not stop.is_set():
+        if chunk and stop.is_set():
+            cut_short = True
+        elif chunk:
             pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
         flush_driver_failures()
         stats.stage_s["read"] = time.monotonic() - t_read
         while pool.has_next():
             collect(next_result())
         progress.close()
-        for s, h in previous.items():
-            signal.signal(s, h)
 
         items, failures = scan_output(out)
-        status = "interrupted" if stop.is_set() else "complete"
+        # A stop that came after every chunk was dispatched interrupted nothing: they all finished.
+        status = "interrupted" if cut_short else "complete"
         write_manifest_table(cfg.out, items)
         write_atomic(cfg.out / FAILURES_FILE, jsonl_bytes(failures))
         snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=engine["name"], voice=engine["voice"],
@@ -331,8 +337,10 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
 
             for fmt in cfg.export:
                 export(cfg.out, fmt, require_complete=False)
-        return RunResult(status, EXIT_INTERRUPTED if stop.is_set() else EXIT_OK, snapshot)
+        return RunResult(status, EXIT_INTERRUPTED if cut_short else EXIT_OK, snapshot)
     finally:
+        for s, h in previous.items():  # kept until the manifest and stats are written
+            signal.signal(s, h)
         if started_ray:
             ray.shutdown()
         out.unlock()

@@ -102,12 +102,16 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         since = max(now - RATE_WINDOW_S, run.get("started", now))
         recent = sum(n for ts, n in commits if ts >= since)
         rate = recent / max(now - since, 1e-6)
-    total = run.get("total_rows")
+    total, estimate = run.get("total_rows"), bool(run.get("total_is_estimate"))
+    if status == "complete":
+        total, estimate = done + failed, False  # a finished part knows its real count
+    elif estimate and total is not None:
+        total = max(total, done + failed)  # an estimate is never below what is already counted
     eta = None
     if rate and total is not None:
         eta = max(total - done - failed, 0) / rate
     return {"folder": str(folder), "status": status, "done": done, "failed": failed, "total": total,
-            "total_is_estimate": bool(run.get("total_is_estimate")), "items_per_second": rate,
+            "total_is_estimate": estimate, "items_per_second": rate,
             "eta_seconds": eta, "pid": int(pid_text) if running and pid_text.isdigit() else None,
             "audio_seconds": stats.get("job_totals", {}).get("audio_seconds") if stats and not running else None,
             "problems": problems}

@@ -1,4 +1,4 @@
-#!/usr/bin/env bash
+#!/bin/sh
 # SLURM array: 4 workers, each takes its share of the ids from SLURM_ARRAY_TASK_ID.
 #   sbatch jobs/slurm-array.sh        then, when all are done:  cosybatch merge out/english-piper-sharded
 #SBATCH --job-name=cosybatch-english
@@ -7,5 +7,5 @@
 #SBATCH --time=08:00:00
 #SBATCH --requeue
 #SBATCH --signal=B:TERM@120
-set -euo pipefail
+set -eu
 exec cosybatch run --job jobs/english-piper-sharded.yaml --shard 4 --max-runtime 7h50m

@@ -211,7 +211,9 @@ def test_pushgateway_receives_the_final_metrics(tmp_path):
         server.shutdown()
     assert len(received) == 1
     path, body = received[0]
-    assert path == "/metrics/job/cosybatch/instance/job1"
+    from cosybatch.metrics import default_job_name
+
+    assert path == f"/metrics/job/{default_job_name(tmp_path / 'job1')}"
     names = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
              if s.labels.get("status") in (None, "done")}
     assert names["cosybatch_items_total"] == 2
