@@ -383,6 +383,146 @@ def device_total_bytes(index: int = 0) -> int | None:
         return None
 
 
+# -- can this process use CUDA? (run, run --check, cosybatch doctor) ------------------------------
+ORT_CUDA = "CUDAExecutionProvider"
+
+
+def cuda_driver_devices() -> tuple[int, str | None]:
+    """How many CUDA devices the NVIDIA driver shows this process (``CUDA_VISIBLE_DEVICES`` applies),
+    and why none when it is 0. Asks libcuda (``cuInit`` + ``cuDeviceGetCount``): no torch, no
+    onnxruntime and no CUDA context. Never raises."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0, "no NVIDIA driver here (libcuda.so.1 cannot be loaded)"
+    try:
+        lib.cuInit.restype = ctypes.c_int
+        lib.cuDeviceGetCount.restype = ctypes.c_int
+        rc = lib.cuInit(0)
+        if rc != 0:
+            name = ctypes.c_char_p()
+            lib.cuGetErrorName.restype = ctypes.c_int
+            named = lib.cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value
+            shown = name.value.decode() if named else f"error {rc}"
+            if rc == 100:  # CUDA_ERROR_NO_DEVICE
+                return 0, f"the NVIDIA driver sees no GPU ({shown}; check CUDA_VISIBLE_DEVICES)"
+            return 0, f"the NVIDIA driver does not start ({shown}); check the driver and the GPU with nvidia-smi"
+        count = ctypes.c_int(0)
+        rc = lib.cuDeviceGetCount(ctypes.byref(count))
+    except (AttributeError, OSError) as exc:
+        return 0, f"libcuda.so.1 does not answer ({exc})"
+    if rc != 0 or count.value <= 0:
+        return 0, "the NVIDIA driver sees no GPU (check CUDA_VISIBLE_DEVICES)"
+    return count.value, None
+
+
+def torch_cuda_problem() -> str | None:
+    """Why torch cannot run on CUDA here, or None when ``torch.cuda.is_available()``. Imports torch:
+    call :func:`configure_allocator` first, as a run does."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch cannot be imported ({exc}); install a CUDA build of torch (README: GPU install)"
+    build = getattr(torch.version, "cuda", None)
+    if not build:
+        return f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch (README: GPU install)"
+    if torch.cuda.is_available():
+        return None
+    _, why = cuda_driver_devices()
+    return f"torch {torch.__version__} (CUDA {build}) sees no usable GPU: {why or 'check the driver and nvidia-smi'}"
+
+
+def onnxruntime_distributions() -> list[tuple[str, str]]:
+    """(name, version) of every installed distribution whose files include the ``onnxruntime``
+    module: onnxruntime, onnxruntime-gpu, ... More than one means two builds overwrote each other's
+    files. Never imports onnxruntime."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    found = []
+    for name in sorted(set(packages_distributions().get("onnxruntime", []))):
+        try:
+            found.append((name, version(name)))
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+_PRELOADED: list[str | None] = []
+
+
+def ort_preload_cuda(ort) -> str | None:
+    """Load the CUDA and cuDNN libraries of pip's nvidia-* packages for onnxruntime's CUDA provider.
+
+    onnxruntime-gpu's provider library has no search path of its own: without this (or an
+    ``import torch`` first, or LD_LIBRARY_PATH) it cannot find libcublasLt.so.13 and the session
+    silently falls back to the CPU. ``onnxruntime.preload_dlls`` (1.21 and later) finds them in
+    site-packages; it prints what it could not load, which is returned (once per process) instead.
+    """
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:  # onnxruntime before 1.21: the libraries must be on the loader's path
+        return None
+    if _PRELOADED:
+        return _PRELOADED[0]
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    note = None
+    try:
+        with contextlib.redirect_stdout(printed):
+            preload()
+    except Exception as exc:
+        note = f"onnxruntime.preload_dlls failed: {exc!r}"
+    text = " ".join(printed.getvalue().split())
+    note = note or (f"onnxruntime.preload_dlls: {text}" if text else None)
+    _PRELOADED.append(note)
+    return note
+
+
+def ort_cuda_library_problem(ort) -> str | None:
+    """Why onnxruntime's CUDA provider library cannot be loaded (a missing CUDA, cuDNN or driver
+    library, named), or None. Preloads pip's CUDA libraries first, as the Piper engine does."""
+    import glob
+
+    ort_preload_cuda(ort)
+    found = glob.glob(os.path.join(os.path.dirname(ort.__file__), "capi", "libonnxruntime_providers_cuda.so"))
+    if not found:
+        return None  # another layout (Windows, a custom build): let the session tell
+    try:
+        ctypes.CDLL(found[0])
+    except OSError as exc:
+        return f"onnxruntime's CUDA provider cannot be loaded: {exc}"
+    return None
+
+
+def ort_cuda_problem() -> str | None:
+    """Why onnxruntime cannot run on CUDA here, or None: its build has the CUDA provider, the driver
+    shows a GPU, and the provider's libraries load. Names a double install of two builds."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        return f"onnxruntime cannot be imported ({exc}); see README: GPU install"
+    if ORT_CUDA not in ort.get_available_providers():
+        dists = onnxruntime_distributions()
+        shown = ", ".join(f"{n} {v}" for n, v in dists) or "none found"
+        hint = "; two builds of the onnxruntime module are installed over each other" if len(dists) > 1 else ""
+        return f"this onnxruntime ({shown}) has no CUDA provider{hint}; install onnxruntime-gpu (README: GPU install)"
+    count, why = cuda_driver_devices()
+    if not count:
+        return why
+    return ort_cuda_library_problem(ort)
+
+
+def cuda_problem(runtime: str | None) -> str | None:
+    """Why ``--device cuda`` cannot work here for an engine that runs on ``runtime`` ("torch",
+    "onnxruntime", or None: only a GPU the driver shows is required), or None when it can."""
+    if runtime == "torch":
+        return torch_cuda_problem()
+    if runtime == "onnxruntime":
+        return ort_cuda_problem()
+    return cuda_driver_devices()[1]
+
+
 # -- batch budget from a measurement ------------------------------------------------------------
 def _positive(value: object) -> bool:
     try:

@@ -116,6 +116,9 @@ class RowGate:
 
 def run(cfg: RunConfig) -> RunResult:
     configure_gpu_allocator(cfg)
+    # What `run --check` checks, before anything is written: a start that fails here leaves no folder.
+    check_device(cfg)
+    cfg.engine_class().check(cfg.voice, cfg.engine_options_for())
     if cfg.shard_count is not None:
         # Each worker owns a self-contained folder; `cosybatch merge` presents them as one.
         part = part_name(cfg.shard_index, cfg.shard_count)
@@ -124,11 +127,14 @@ def run(cfg: RunConfig) -> RunResult:
             metrics = metrics.with_name(f"{metrics.stem}.{part}{metrics.suffix}")
         cfg = replace(cfg, out=cfg.out / part, metrics_file=metrics)
     out = OutputDir(cfg.out)
+    created = _missing_folders(cfg.out)  # removed again if the job never starts (no job.json)
+    state_existed = out.state.exists()
     try:
         cfg.out.mkdir(parents=True, exist_ok=True)
         out.lock()
     except OSError as exc:
         out.unlock()
+        _remove_unstarted(out, created, state_existed)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk is resumable, whenever it strikes
             raise _output_error(cfg, exc) from None
         raise UsageError(f"cannot use {cfg.out} as the output folder ({exc.strerror or exc}); "
@@ -140,7 +146,57 @@ def run(cfg: RunConfig) -> RunResult:
             raise _output_error(cfg, exc) from exc
         raise
     finally:
+        _remove_unstarted(out, created, state_existed)
         out.unlock()
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        missing.append(folder)
+    return missing
+
+
+def _remove_unstarted(out: OutputDir, created: list[Path], state_existed: bool) -> None:
+    """After a start that failed before the job was recorded (no job.json: a bad corpus, a model
+    that does not load), remove what this call created, so that no half-made folder is left for
+    `cosybatch status` to call "not started". Only the lock file, and then folders this call
+    created, and only while empty: a folder that existed before, or holds anything else, stays.
+    Called while the lock is held, so no other run can be starting in the folder."""
+    if out.job_file.exists():
+        return
+    if not state_existed:
+        from .checkpoint import LOCK_FILE
+
+        try:
+            (out.state / LOCK_FILE).unlink(missing_ok=True)
+            out.state.rmdir()
+        except OSError:
+            return
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def check_device(cfg: RunConfig) -> None:
+    """--device cuda on a machine where the engine cannot use CUDA is a usage error, for `run` and
+    `run --check` alike, found before any folder is written or model loaded (the engine's own check
+    would come later, at load). Engines say what runs them on a GPU (`Engine.gpu_runtime`)."""
+    if cfg.device != "cuda":
+        return
+    from .gpu import cuda_problem
+
+    cls = cfg.engine_class()
+    runtime = cls.gpu_runtime or ("torch" if cls.needs_torch_allocator else None)
+    problem = cuda_problem(runtime)
+    if problem is not None:
+        raise UsageError(f"--device cuda: no usable CUDA GPU for the {cls.name} engine here: {problem}. "
+                         "`cosybatch doctor` shows the set-up; or use --device cpu")
 
 
 def configure_gpu_allocator(cfg: RunConfig) -> None:
@@ -175,6 +231,8 @@ def check(cfg: RunConfig) -> dict:
     from dataclasses import asdict
 
     corpus = open_corpus(cfg)
+    configure_gpu_allocator(cfg)  # as a run does, before the device check may import torch
+    check_device(cfg)
     resolved = cfg.engine_class().check(cfg.voice, cfg.engine_options_for())
     return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
             "voice": resolved.get("voice", resolved)}
@@ -218,6 +276,15 @@ def adopt_legacy_fingerprint(out: OutputDir, cfg: RunConfig, corpus: Corpus, fin
         log.info("%s: %s", cfg.out, "; ".join(changed))
 
 
+def _previous_success(out: Path) -> Optional[float]:
+    """When an earlier run of this job completed, from its stats.json (None if none did)."""
+    try:
+        value = json.loads((out / STATS_FILE).read_text()).get("last_success_timestamp_seconds")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, (int, float)) else None
+
+
 def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
     return OutputError(
         f"writing to {cfg.out} failed ({exc.strerror or exc}); everything committed before is "
@@ -240,6 +307,7 @@ class _Job:
         self._metrics_failed = False
         self._metrics_written = 0.0
         self.repairs: list[str] = []
+        self.last_success: Optional[float] = None  # when a run of this job last completed (stats.json)
 
     def run(self) -> RunResult:
         """Signals and --max-runtime turn into a clean stop from the very start, model load included."""
@@ -285,6 +353,7 @@ class _Job:
             self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
             ledger = Ledger.replay(self.out.journal_path)
         state = self.out.resume_state(ledger)
+        self.last_success = _previous_success(cfg.out)
         self.stats.previous_items_done = state.items
         self.stats.previous_items_failed = state.failures
         self.stats.previous_audio_s = state.audio_s
@@ -395,16 +464,27 @@ class _Job:
             cold_start_seconds=round(self.stats.stage_s["load"], 3),
             memory_pool=engine.memory_plan().pool,
             shard=None if self.cfg.shard_count is None else [self.cfg.shard_index, self.cfg.shard_count],
+            last_success_timestamp_seconds=self.last_success,
             **extra,
         )
+
+    def _metrics_job(self) -> str:
+        from .metrics import default_job_name
+
+        root = self.cfg.out.parent if self.cfg.shard_count is not None else self.cfg.out  # the job, not the part
+        return self.cfg.metrics_job or default_job_name(root)
+
+    def _metrics_grouping(self) -> dict[str, str]:
+        """The shard, when sharded: one Pushgateway group (and one series) per worker."""
+        if self.cfg.shard_count is None:
+            return {}
+        return {"shard": f"{self.cfg.shard_index}/{self.cfg.shard_count}"}
 
     def _metrics_registry(self, snapshot: dict):
         from .metrics import registry
 
-        labels = {"job": self.cfg.out.name}
-        if self.cfg.shard_count is not None:
-            labels["job"] = self.cfg.out.parent.name  # the job, not the part folder
-            labels["shard"] = f"{self.cfg.shard_index}/{self.cfg.shard_count}"
+        # Not `job`: that is the target label a scrape sets (it would rename ours exported_job).
+        labels = {"cosybatch_job": self._metrics_job(), **self._metrics_grouping()}
         return registry(snapshot, self.committer.batch_seconds, labels)
 
     def _write_metrics(self, snapshot: dict) -> None:
@@ -444,6 +524,8 @@ class _Job:
 
             for fmt in self.cfg.export:
                 export(self.cfg.out, fmt, require_complete=False)
+        if status == "complete":
+            self.last_success = round(time.time(), 3)
         extra = {"repairs": self.repairs, "problems": problems}
         if changes is not None:
             extra["corpus_changes"] = changes
@@ -455,8 +537,8 @@ class _Job:
             from .metrics import push
 
             try:
-                push(self.cfg.pushgateway, self._metrics_registry(stats), job="cosybatch",
-                     grouping={"instance": self.cfg.out.name})
+                push(self.cfg.pushgateway, self._metrics_registry(stats), job=self._metrics_job(),
+                     grouping=self._metrics_grouping())
             except Exception as exc:  # the audio is safe; no monitoring problem may fail the job
                 log.warning("could not push metrics to %s: %s", self.cfg.pushgateway, exc)
         if too_many_failures:

@@ -112,6 +112,11 @@ class Engine:
     needs_torch_allocator: ClassVar[bool] = False
     """True: on a GPU, torch's cudaMallocAsync allocator is configured before the engine's module
     imports torch (it cannot change once torch has started)."""
+    gpu_runtime: ClassVar[Optional[str]] = None
+    """What runs this engine on a GPU: "onnxruntime" or "torch" (`needs_torch_allocator` implies
+    "torch"). With --device cuda, `run` and `run --check` first check that it can run here (a CUDA
+    build, a GPU the driver shows) and refuse with exit 2 before writing anything. None: only a GPU
+    the NVIDIA driver shows is checked."""
     voice_column_fallback: ClassVar[Optional[str]] = None
     """A corpus column read as the row's voice when the corpus has no 'voice' column."""
 
