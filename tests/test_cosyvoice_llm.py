@@ -325,3 +325,28 @@ def test_sampling_settings_come_from_the_yaml():
     bad = Call("x", kwargs={"sampling": Call("a.ras_sampling", kwargs={"top_p": 2})})
     with pytest.raises(ValueError, match="top_p"):
         Sampling.from_yaml(bad)
+
+
+def test_a_call_that_failed_half_way_leaves_nothing_behind_in_the_pool(cosyvoice_dir):
+    """An error mid-decode (out of memory, say) must not leak its rows into the next call, which
+    reuses the same pool."""
+    lm = load_llm(cosyvoice_dir)
+    with torch.no_grad():
+        lm.llm_decoder.bias[6561:] = -1e4
+    reqs = mixed(5)
+    want = lm.generate([copy(r) for r in reqs], slots=3)
+    pool = lm._pool
+    real_harvest, calls = pool._harvest, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real_harvest(*args)
+
+    pool._harvest = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        lm.generate([copy(r) for r in reqs], slots=3)
+    pool._harvest = real_harvest
+    assert lm.generate([copy(r) for r in reqs], slots=3) == want
+    assert lm._pool is pool, "the pool (and its CUDA graphs) is reused"

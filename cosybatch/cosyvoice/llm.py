@@ -460,6 +460,9 @@ class SlotPool:
     # -- scheduling ---------------------------------------------------------------------------
     def run(self, work: list[_Work], out: list[list[int]]) -> PoolStats:
         self.stats = PoolStats(graphs=len(self.graphs))
+        # A call that failed half-way (out of memory, say) may have left rows behind: drop them.
+        self.owner = [None] * self.slots
+        self.done.fill_(True)
         queue = list(reversed(work))  # pop() takes the next
         while queue or any(w is not None for w in self.owner):
             free = [s for s in range(self.slots) if self.owner[s] is None]
