@@ -237,3 +237,28 @@ def test_half_precision_flow_is_finite_and_close_to_fp32(cosyvoice_dir, precisio
     for want, got in zip(reference, half.mels(items), strict=True):
         assert got.shape == want.shape and bool(torch.isfinite(got).all())
         assert float((got - want).norm() / want.norm()) < 0.02
+
+
+def test_an_out_of_memory_stage_chunk_is_split_and_keeps_its_order():
+    import torch
+
+    from cosybatch.engines.cosyvoice import split_on_oom
+
+    calls = []
+
+    def run(chunk):
+        calls.append(list(chunk))
+        if len(chunk) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return [i * 10 for i in chunk]
+
+    assert split_on_oom([1, 2, 3, 4, 5], run) == [10, 20, 30, 40, 50]
+    assert calls == [[1, 2, 3, 4, 5], [1, 2], [3, 4, 5], [3], [4, 5]]
+
+    def alone(chunk):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        split_on_oom([7], alone)
+    with pytest.raises(ValueError):
+        split_on_oom([1, 2], lambda c: (_ for _ in ()).throw(ValueError("not memory")))

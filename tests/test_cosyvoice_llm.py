@@ -350,3 +350,31 @@ def test_a_call_that_failed_half_way_leaves_nothing_behind_in_the_pool(cosyvoice
     pool._harvest = real_harvest
     assert lm.generate([copy(r) for r in reqs], slots=3) == want
     assert lm._pool is pool, "the pool (and its CUDA graphs) is reused"
+
+
+def test_threads_sharing_one_model_take_turns_with_the_pool(lm):
+    """Engine workers call synthesize from several threads on one model: decodes must not share
+    slots (they once came back silently truncated)."""
+    import threading
+
+    reqs = mixed(6)
+    want = lm.generate([copy(r) for r in reqs], GREEDY, slots=4)
+    results: dict[int, list] = {}
+
+    def work(k: int) -> None:
+        results[k] = lm.decode([copy(r) for r in reqs], GREEDY, slots=4)[0]
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: want, 1: want, 2: want}
+
+
+def test_nan_logits_stop_the_row_instead_of_emitting_a_control_id(cosyvoice_dir):
+    lm = load_llm(cosyvoice_dir)
+    with torch.no_grad():
+        lm.llm_decoder.bias[:] = float("nan")  # as an fp16 overflow would leave them
+    got = lm.generate(requests(), slots=2)
+    assert got == [[], [], [], []]

@@ -487,7 +487,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
 
         spks = F.normalize(torch.stack([item.embedding.reshape(-1) for item in items]).to(device, dtype), dim=1)
         spks = self.spk_embed_affine_layer(spks)
-        x = self.input_embedding(padded.clamp(min=0)) * token_mask[..., None].to(dtype)
+        x = self.input_embedding(padded.clamp(0, self.vocab_size - 1)) * token_mask[..., None].to(dtype)
         h, mel_lengths = self.encoder(x, lengths)
         mu = self.encoder_proj(h).transpose(1, 2).contiguous()
         frames = mu.size(2)

@@ -18,7 +18,9 @@ seed, not on its neighbours, the pool size or when it was admitted.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .yamlconf import Call
+
+log = logging.getLogger(__name__)
 
 SPEECH_TOKENS = 6561
 SOS, TASK_ID = 0, 1  # rows of llm_embedding
@@ -248,6 +252,10 @@ class SpeechLM(nn.Module):
         self.llm_embedding = nn.Embedding(2, h)
         self.llm_decoder = nn.Linear(h, speech_token_size + 3)
         self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
+        self._pool: SlotPool | None = None
+        # One decode at a time: the pool (and its CUDA graphs) is shared state. With two workers,
+        # one decodes while the other runs the flow and the vocoder.
+        self._decoding = threading.Lock()
 
     @property
     def qwen(self) -> Qwen2Model:
@@ -274,6 +282,7 @@ class SpeechLM(nn.Module):
     def to_precision(self, dtype: torch.dtype) -> SpeechLM:
         """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
         inv_freq = self.qwen.inv_freq
+        self._pool = None  # its CUDA graphs point at the old weights
         self.to(dtype=dtype)
         self.qwen.inv_freq = inv_freq
         return self
@@ -281,13 +290,12 @@ class SpeechLM(nn.Module):
     def slot_pool(self, slots: int, capacity: int, max_steps: int, sampling: Sampling, cuda_graphs: bool = True,
                   check_every: int = CHECK_EVERY) -> SlotPool:
         """The pool of the last call when it fits (its CUDA graphs stay valid), else a new one."""
-        pool: SlotPool | None = getattr(self, "_pool", None)
+        pool = self._pool
         if pool is None or not pool.fits(slots, capacity, max_steps, sampling, cuda_graphs, check_every):
-            self._pool = None  # free the old cache before the new one is allocated
-            pool = SlotPool(self, slots, _round_up(capacity, LENGTH_BUCKET), _round_up(max_steps, LENGTH_BUCKET),
-                            sampling, cuda_graphs, check_every)
-            self._pool = pool
-        return pool
+            self._pool = pool = None  # free the old cache before the new one is allocated
+            self._pool = SlotPool(self, slots, _round_up(capacity, LENGTH_BUCKET),
+                                  _round_up(max_steps, LENGTH_BUCKET), sampling, cuda_graphs, check_every)
+        return self._pool
 
     @torch.inference_mode()
     def generate(
@@ -301,29 +309,45 @@ class SpeechLM(nn.Module):
         check_every: int = CHECK_EVERY,
     ) -> list[list[int]]:
         """Speech tokens for every request (stop token excluded); also stored in ``request.tokens``.
+        ``self.last_stats`` says how full the slots were (see :meth:`decode`)."""
+        tokens, self.last_stats = self.decode(requests, sampling, min_ratio, max_ratio, slots, cuda_graphs,
+                                              check_every)
+        return tokens
 
-        Requests decode in a pool of ``slots`` decode slots (default: one per request); a slot
-        takes the next waiting request as soon as its row stops. ``self.last_stats`` says how full
-        the slots were."""
+    @torch.inference_mode()
+    def decode(
+        self,
+        requests: Sequence[LMRequest],
+        sampling: Sampling | None = None,
+        min_ratio: float = 2.0,
+        max_ratio: float = 20.0,
+        slots: int | None = None,
+        cuda_graphs: bool = True,
+        check_every: int = CHECK_EVERY,
+    ) -> tuple[list[list[int]], PoolStats]:
+        """(tokens per request, this call's pool statistics). Requests decode in a pool of
+        ``slots`` decode slots (default: one per request); a slot takes the next waiting request as
+        soon as its row stops. Safe to call from several threads: calls take turns."""
         sampling = sampling or Sampling()
         out: list[list[int]] = [[] for _ in requests]
         hi = [r.max_tokens if r.max_tokens is not None else int(len(r.text) * max_ratio) for r in requests]
         lo = [r.min_tokens if r.min_tokens is not None else int(len(r.text) * min_ratio) for r in requests]
         todo = [i for i in range(len(requests)) if hi[i] > 0]  # nothing to generate for the others
-        self.last_stats = PoolStats()
+        stats = PoolStats()
         if todo:
             device = self.llm_decoder.weight.device
             prompts = {i: self.prompt_embeddings(requests[i], device) for i in todo}
             capacity = max(prompts[i].size(0) + hi[i] for i in todo) + 1
             steps = max(hi[i] for i in todo)
-            pool = self.slot_pool(slots or len(todo), capacity, steps, sampling, cuda_graphs, check_every)
             # Longest first, so the last rows to finish are short ones and the slots stay full.
             order = sorted(todo, key=lambda i: -hi[i])
             work = [_Work(i, prompts[i], lo[i], hi[i], requests[i].seed) for i in order]
-            self.last_stats = pool.run(work, out)
+            with self._decoding:
+                pool = self.slot_pool(slots or len(todo), capacity, steps, sampling, cuda_graphs, check_every)
+                stats = pool.run(work, out)
         for req, tokens in zip(requests, out, strict=True):
             req.tokens = tokens
-        return out
+        return out, stats
 
 
 def _round_up(value: int, step: int) -> int:
@@ -444,12 +468,15 @@ class SlotPool:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._seen: set[tuple[int, int]] = set()
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.stats = PoolStats()
 
     def fits(self, slots: int, capacity: int, max_steps: int, sampling: Sampling, cuda_graphs: bool,
              check_every: int) -> bool:
+        weight = self.lm.llm_decoder.weight
         return (self.slots == slots and self.capacity >= capacity and self.max_steps >= max_steps
                 and self.sampling == sampling and self.check_every == check_every
+                and (self.hidden.dtype, self.hidden.device) == (weight.dtype, weight.device)
                 and self.use_graphs == (cuda_graphs and self.hidden.device.type == "cuda"))
 
     def _rows(self) -> list[Tensor]:
@@ -583,15 +610,42 @@ class SlotPool:
         key = (n, window)
         graph = self.graphs.get(key)
         if graph is None:
-            if key not in self._seen:  # the first run is eager: it warms up what capture needs
-                self._seen.add(key)
-                self._step(n, window)
+            first = key not in self._seen
+            self._seen.add(key)
+            # Warm-up and capture run on a side stream (the documented pattern). The low-level
+            # capture calls are used because torch.cuda.graph() empties the allocator's cache
+            # first, which would hand back the memory pool cosybatch reserved.
+            main = torch.cuda.current_stream()
+            self._stream.wait_stream(main)
+            with torch.cuda.stream(self._stream):
+                if first:  # the first run is eager: it initialises what capture needs
+                    self._step(n, window)
+                else:
+                    graph = self._capture(n, window)
+            main.wait_stream(self._stream)
+            if graph is None:
                 return
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):  # records, does not run
-                self._step(n, window)
-            self.graphs[key] = graph
         graph.replay()
+
+    def _capture(self, n: int, window: int) -> torch.cuda.CUDAGraph | None:
+        """The step for (n, window) as a CUDA graph (recorded, not run); None, with graphs turned
+        off for this pool and the step run eagerly instead, if capture fails."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            try:
+                self._step(n, window)
+            finally:
+                graph.capture_end()
+        except RuntimeError as exc:
+            if "out of memory" in str(exc):
+                raise
+            log.warning("CUDA graph capture failed (%s); decoding without CUDA graphs", exc)
+            self.use_graphs = False
+            self._step(n, window)
+            return None
+        self.graphs[(n, window)] = graph
+        return graph
 
     def _step(self, n: int, window: int) -> None:
         """Sample one token per slot from ``hidden``, then run those tokens through the model."""
@@ -605,7 +659,8 @@ class SlotPool:
         logp[:, stop + 1 :] = -math.inf
         logp[:, stop] = logp[:, stop].masked_fill(count < self.lo[:n], -math.inf)
         index = count.clamp(max=self.max_steps - 1).view(n, 1, 1).expand(n, 1, 2)
-        ids = sample(logp, history, self.uniforms[:n].gather(1, index)[:, 0], s)
+        # A masked id can come out only of NaN logits or a rounding edge of the draw: it stops the row.
+        ids = sample(logp, history, self.uniforms[:n].gather(1, index)[:, 0], s).clamp(max=stop)
         live = ~done
         ended = live & ((ids == stop) | (count + 1 >= self.hi[:n]))
         history.copy_(torch.cat([history[:, 1:], ids[:, None]], dim=1))

@@ -50,8 +50,10 @@ class Synthesised:
     """Audio for each unit of a batch, plus the frame counts used for padding statistics."""
 
     audio: list[np.ndarray]  # float32 mono, one per unit, trimmed to its exact length
-    real_frames: int  # output frames the units needed
-    padded_frames: int  # output frames the batch computed
+    # For padding statistics, in the engine's own unit of work (Piper: decoder output frames;
+    # CosyVoice: LM decode slot-steps): what the units needed, and what the batch computed.
+    real_frames: int
+    padded_frames: int
 
 
 @dataclass(frozen=True)

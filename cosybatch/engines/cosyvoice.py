@@ -149,7 +149,6 @@ class CosyVoiceEngine(Engine):
             self.t2w = Token2Wav(config, self.device, precision)
         except (ModelDirError, OSError, ValueError) as exc:
             raise UsageError(f"--model {self.model_dir}: {exc}") from None
-        self.last_lm_stats = None
         providers = None
         if self.device == "cuda":
             from .. import gpu
@@ -190,10 +189,11 @@ class CosyVoiceEngine(Engine):
 
         from .. import gpu
 
-        pool = gpu.setup_pool(fraction, self.device, headroom_bytes=HEADROOM_BYTES)
-        # The LM's KV cache is one fixed pool, allocated now, before the probe measures the rest.
-        self.lm.slot_pool(self.lm_slots, self._slot_capacity(), 20 * self.max_segment_tokens, self.sampling,
+        # The LM's KV cache is one fixed slot pool, allocated first: like the weights, it is outside
+        # the reserved pool and outside what the probe measures.
+        self.lm.slot_pool(self.lm_slots, self._slot_capacity(), 20 * self._longest_segment(), self.sampling,
                           self.cuda_graphs)
+        pool = gpu.setup_pool(fraction, self.device, headroom_bytes=HEADROOM_BYTES)
         per_unit = self._probe()
         self.probed_budget = gpu.budget_from_probe(per_unit, pool.pool_bytes)
         self.pool_info = asdict(pool) | {"bytes_per_cost_unit": per_unit, "probed_budget": self.probed_budget}
@@ -224,8 +224,13 @@ class CosyVoiceEngine(Engine):
             "hift": gpu.probe_stage(lambda: self.t2w.vocode(mels, list(range(rows))), units, self.device),
         }
 
+    def _longest_segment(self) -> int:
+        """Text tokens of the longest segment the frontend makes (it packs to max_segment_tokens but
+        keeps an over-long sentence whole up to twice that)."""
+        return 2 * self.max_segment_tokens
+
     def _slot_capacity(self) -> int:
-        return PROMPT_TOKENS_RESERVED + self.max_segment_tokens + 20 * self.max_segment_tokens + 1
+        return PROMPT_TOKENS_RESERVED + 21 * self._longest_segment() + 1
 
     def describe(self) -> dict:
         return {
@@ -319,8 +324,7 @@ class CosyVoiceEngine(Engine):
                 prompt_speech=s.voice.prompt_tokens.tolist() if zero_shot and s.voice.prompt_tokens is not None else (),
                 seed=s.seed,
             ))
-        tokens = self.lm.generate(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
-        self.last_lm_stats = self.lm.last_stats
+        tokens, lm_stats = self.lm.decode(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
         items = [
             FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
             for s, t in zip(segs, tokens, strict=True)
@@ -334,16 +338,30 @@ class CosyVoiceEngine(Engine):
         by_frames = sorted(frames, key=lambda i: -frames[i])
         budget = self.flow_batch * flow_cost(2 * TOKENS_PER_TEXT_TOKEN * self.max_segment_tokens)
         for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
-            for i, mel in zip(chunk, self.t2w.mels([items[i] for i in chunk]), strict=True):
+            for i, mel in zip(chunk, split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c])),
+                              strict=True):
                 mels[i] = mel
         lengths = {i: mel.size(1) for i, mel in mels.items()}
         for chunk in stage_batches(sorted(lengths, key=lambda i: -lengths[i]), lengths, self.hift_batch):
-            wavs = self.t2w.vocode([mels[i] for i in chunk], [segs[i].seed for i in chunk])
+            wavs = split_on_oom(chunk, lambda c: self.t2w.vocode([mels[i] for i in c], [segs[i].seed for i in c]))
             for i, wav in zip(chunk, wavs, strict=True):
                 audio[i] = wav
         # Padding statistics are the LM's: rows decoded (tokens made) against slot-steps computed.
-        stats = self.last_lm_stats
-        return Synthesised(audio, stats.live_slot_steps, stats.slot_steps)
+        return Synthesised(audio, lm_stats.live_slot_steps, lm_stats.slot_steps)
+
+
+def split_on_oom(chunk: list[int], run) -> list:
+    """``run(chunk)``; on a GPU out-of-memory error, the chunk in halves (recursively), so the
+    tokens the LM made are kept. One item that does not fit alone raises, and fails its row."""
+    from ..gpu import is_oom
+
+    try:
+        return list(run(chunk))
+    except Exception as exc:
+        if not is_oom(exc) or len(chunk) == 1:
+            raise
+    half = len(chunk) // 2
+    return split_on_oom(chunk[:half], run) + split_on_oom(chunk[half:], run)
 
 
 def flow_cost(frames: int) -> float:
