@@ -58,6 +58,8 @@ def worker(args) -> None:
         extra["lm_slots"] = args.lm_slots
     if args.no_cuda_graphs:
         extra["cuda_graphs"] = False
+    if args.flow_backend != "torch":
+        extra["flow_backend"] = args.flow_backend
     engine = open_engine("cosyvoice", None, EngineOptions(device=device, threads=1, engine=CosyVoiceOptions(
         model=Path(args.model), speaker="alice", precision=args.precision, **extra)))
     with torch.no_grad():
@@ -70,20 +72,33 @@ def worker(args) -> None:
             torch.cuda.synchronize()
 
     lm = {"seconds": 0.0, "tokens": 0, "slot_steps": 0, "live_slot_steps": 0}
-    generate = engine.lm.generate
+    stage_s = {"flow": 0.0, "hift": 0.0}
+    # The engine calls decode() where it has one (the slot pool), else generate().
+    lm_method = "decode" if hasattr(engine.lm, "decode") else "generate"
+    original = getattr(engine.lm, lm_method)
 
-    def timed_generate(*a, **k):
+    def timed_lm(*a, **k):
         sync()
         t = time.perf_counter()
-        out = generate(*a, **k)
+        out = original(*a, **k)
         sync()
         lm["seconds"] += time.perf_counter() - t
-        lm["tokens"] += sum(len(x) for x in out)
-        stats = getattr(engine.lm, "last_stats", None)
+        tokens, stats = out if lm_method == "decode" else (out, getattr(engine.lm, "last_stats", None))
+        lm["tokens"] += sum(len(x) for x in tokens)
         if stats is not None:
             lm["slot_steps"] += stats.slot_steps
             lm["live_slot_steps"] += stats.live_slot_steps
         return out
+
+    def timed(stage, fn):
+        def wrapper(*a, **k):
+            sync()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            stage_s[stage] += time.perf_counter() - t
+            return out
+        return wrapper
 
     if args.worker == "upstream":
         run = upstream_runner(engine, Path(args.model), device)
@@ -98,7 +113,9 @@ def worker(args) -> None:
                 engine.synthesize([Unit(k, 0, 1, "", seg) for k, seg in enumerate(chunk)])
 
     run(segments[:2])  # warm-up
-    engine.lm.generate = timed_generate
+    setattr(engine.lm, lm_method, timed_lm)
+    engine.t2w.mels = timed("flow", engine.t2w.mels)
+    engine.t2w.vocode = timed("hift", engine.t2w.vocode)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sync()
@@ -110,6 +127,7 @@ def worker(args) -> None:
     live = lm["live_slot_steps"] / lm["slot_steps"] if lm["slot_steps"] else None
     print(json.dumps({"path": args.worker, "wall": wall, "cosybatch": str(Path(cosybatch.__file__).parent),
                       "lm_seconds": lm["seconds"], "lm_tokens": lm["tokens"], "live_fraction": live,
+                      "flow_seconds": stage_s["flow"], "hift_seconds": stage_s["hift"],
                       "peak_bytes": peak}))
 
 
@@ -174,6 +192,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--lm-slots", type=int, default=None, help="decode slots (default: the engine's)")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--flow-backend", default="torch", help="ours: torch, onnx or tensorrt (the engine option)")
     ap.add_argument("--worker", choices=("ours", "baseline", "upstream"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--segments", help=argparse.SUPPRESS)
@@ -188,6 +207,7 @@ def main() -> None:
     audio_s = sum(20 * len(t) * 2 * 480 for t in texts) / 24000
     paths = args.paths.split(",")
     times: dict[str, list[float]] = {p: [] for p in paths}
+    stages: dict[str, list[dict]] = {}  # seconds in each stage, per round (not for upstream)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model_dir(Path(tmp) / "model", size=args.size)
         old = baseline_tree(args.baseline, Path(tmp)) if "baseline" in paths else None
@@ -200,7 +220,9 @@ def main() -> None:
                     [sys.executable, __file__, "--worker", path, "--model", str(model), "--device", args.device,
                      "--precision", args.precision, "--segments", json.dumps(texts),
                      *(["--lm-slots", str(args.lm_slots)] if args.lm_slots and path == "ours" else []),
-                     *(["--no-cuda-graphs"] if args.no_cuda_graphs and path == "ours" else [])],
+                     *(["--no-cuda-graphs"] if args.no_cuda_graphs and path == "ours" else []),
+                     *(["--flow-backend", args.flow_backend] if args.flow_backend != "torch" and path == "ours"
+                       else [])],
                     capture_output=True, text=True, env=env, check=False)
                 if proc.returncode != 0:
                     raise SystemExit(f"{path} failed:\n{proc.stderr[-3000:]}")
@@ -209,10 +231,14 @@ def main() -> None:
                 if not line["cosybatch"].startswith(str(expected)):
                     raise SystemExit(f"{path} imported cosybatch from {line['cosybatch']}, not {expected}")
                 times[path].append(line["wall"])
+                stages.setdefault(path, []).append({k: round(line[k], 1) for k in ("lm_seconds", "flow_seconds",
+                                                                                  "hift_seconds")})
     walls = {p: statistics.median(v) for p, v in times.items()}
     result = {"size": args.size, "device": args.device, "items": args.items, "audio_s": round(audio_s, 1),
-              "precision": args.precision, "baseline": args.baseline, "rounds": args.rounds,
-              "paths": {p: {"wall_s": round(w, 2), "audio_s_per_s": round(audio_s / w, 3), "rtf": round(w / audio_s, 4)}
+              "precision": args.precision, "flow_backend": args.flow_backend, "baseline": args.baseline,
+              "rounds": args.rounds,
+              "paths": {p: {"wall_s": round(w, 2), "audio_s_per_s": round(audio_s / w, 3), "rtf": round(w / audio_s, 4),
+                            "stages_per_round": stages.get(p) if p != "upstream" else None}
                         for p, w in walls.items()}}
     if "ours" in walls:
         result["ours_vs"] = {p: round(w / walls["ours"], 2) for p, w in walls.items() if p != "ours"}

@@ -21,7 +21,7 @@ and every item's mel equals what the item gives alone:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -393,6 +393,8 @@ class CausalConditionalCFM(nn.Module):
         if t_scheduler not in ("cosine", "linear"):
             raise ValueError(f"t_scheduler {t_scheduler!r} is not supported")
         self.estimator = estimator
+        # Called in place of the estimator when set (same arguments): an ONNX Runtime session, see flow_onnx.
+        self.runner: Callable[..., Tensor] | None = None
         self.t_scheduler = t_scheduler
         self.inference_cfg_rate = inference_cfg_rate
 
@@ -409,9 +411,10 @@ class CausalConditionalCFM(nn.Module):
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         x, t, dt = z.float(), t_span[0], t_span[1] - t_span[0]
+        estimator = self.runner or self.estimator
         for step in range(1, n_timesteps + 1):
             x_in = torch.cat([x, x]).to(dtype)
-            velocity = self.estimator(x_in, mask_in, mu_in, t.expand(2 * b), spks_in, cond_in).float()
+            velocity = estimator(x_in, mask_in, mu_in, t.expand(2 * b), spks_in, cond_in).float()
             guided, free = velocity[:b], velocity[b:]
             x = x + dt * ((1.0 + self.inference_cfg_rate) * guided - self.inference_cfg_rate * free)
             t = t + dt

@@ -20,10 +20,15 @@ class Token2Wav:
     ``precision`` bf16 or fp16 converts the flow's weights once, at load; the flow's Euler state,
     its time features and its starting noise stay fp32, and the vocoder stays fp32 (as upstream's
     fp16 mode keeps it).
+
+    ``flow_backend`` onnx or tensorrt runs the flow's estimator (the U-Net called at each Euler step)
+    through ONNX Runtime instead of torch, see :mod:`.flow_onnx`; ``onnx_cache`` overrides the cache
+    folder (default ``$XDG_CACHE_HOME/cosybatch``).
     """
 
     def __init__(
-        self, model_dir: str | Path | ModelConfig, device: str | torch.device = "cpu", precision: str = "fp32"
+        self, model_dir: str | Path | ModelConfig, device: str | torch.device = "cpu", precision: str = "fp32",
+        flow_backend: str = "torch", onnx_cache: str | Path | None = None,
     ):
         self.config = model_dir if isinstance(model_dir, ModelConfig) else read_config(model_dir)
         self.device = torch.device(device)
@@ -31,6 +36,12 @@ class Token2Wav:
             raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.precision = precision
         self.flow = load_flow(self.config, self.device)
+        self.flow_backend = flow_backend
+        if flow_backend != "torch":
+            from .flow_onnx import attach
+
+            # Exported from the fp32 weights, before any conversion below.
+            attach(self.flow, self.config, flow_backend, self.device, precision, folder=onnx_cache)
         if PRECISIONS[precision] is not None:
             self.flow.to(dtype=PRECISIONS[precision])
         self.hift = load_hift(self.config, self.device)

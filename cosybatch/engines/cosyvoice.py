@@ -80,12 +80,18 @@ class CosyVoiceOptions:
     """Most items per vocoder call, grouped by length; unset: 1 on CPU, 32 on CUDA."""
     cuda_graphs: bool = True
     """Replay the LM's decode step from CUDA graphs (CUDA only; false: eager)."""
+    flow_backend: str = "torch"
+    """What runs the flow's estimator: torch, onnx (ONNX Runtime, CPU or CUDA; fp16 on CUDA with
+    --precision fp16/bf16) or tensorrt (ONNX Runtime's TensorRT provider, fp16 likewise). The ONNX
+    export is made once per checkpoint and cached in $XDG_CACHE_HOME/cosybatch (~/.cache/cosybatch)."""
 
     def __post_init__(self) -> None:
         if self.model is None:
             raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
+        if self.flow_backend not in ("torch", "onnx", "tensorrt"):
+            raise UsageError(f"--engine-opt flow_backend must be torch, onnx or tensorrt (got {self.flow_backend!r})")
         for name in ("lm_slots", "flow_batch", "hift_batch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UsageError(f"--engine-opt {name} must be at least 1 (got {getattr(self, name)})")
@@ -102,12 +108,15 @@ class CosyVoiceEngine(Engine):
     @classmethod
     def check(cls, voice: Optional[str], options: EngineOptions) -> dict:
         opts: CosyVoiceOptions = options.engine
+        if opts.flow_backend == "tensorrt":
+            check_flow_backend(opts.flow_backend, "cuda")
         return check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text)
 
     def __init__(self, voice: Optional[str], options: EngineOptions):
         import torch
 
         from ..cosyvoice.features import PromptError, VoiceBank
+        from ..cosyvoice.flow_onnx import FlowBackendError
         from ..cosyvoice.llm import Sampling, load_llm
         from ..cosyvoice.model import ModelDirError, read_config
         from ..cosyvoice.text import QwenTextTokenizer, normalize
@@ -133,6 +142,8 @@ class CosyVoiceEngine(Engine):
         if self.device == "cpu":
             # Small ops: one thread per worker is fastest (several workers run side by side).
             torch.set_num_threads(max(1, options.threads))
+        check_flow_backend(opts.flow_backend, self.device)  # before any weights load
+        self.flow_backend = opts.flow_backend
         defaults = STAGE_DEFAULTS[self.device]
         self.lm_slots = opts.lm_slots or defaults["lm_slots"]
         self.flow_batch = opts.flow_batch or defaults["flow_batch"]
@@ -146,7 +157,9 @@ class CosyVoiceEngine(Engine):
             self.sampling = Sampling.from_yaml(config.llm)
             self.tokenizer = QwenTextTokenizer(self.model_dir / "CosyVoice-BlankEN")
             self.lm = load_llm(self.model_dir, self.device, PRECISIONS[precision] or torch.float32)
-            self.t2w = Token2Wav(config, self.device, precision)
+            self.t2w = Token2Wav(config, self.device, precision, flow_backend=opts.flow_backend)
+        except FlowBackendError as exc:
+            raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: {exc}") from None
         except (ModelDirError, OSError, ValueError) as exc:
             raise UsageError(f"--model {self.model_dir}: {exc}") from None
         providers = None
@@ -241,6 +254,8 @@ class CosyVoiceEngine(Engine):
             "voice": None if self.default_voice is None else self.default_voice.key,
             "sampling": self.sampling.describe(),
             "max_segment_tokens": self.max_segment_tokens,
+            # Only when not the default, so fingerprints of earlier runs stay valid.
+            **({"flow_backend": self.flow_backend} if self.flow_backend != "torch" else {}),
         }
 
     def memory_plan(self) -> MemoryPlan:
@@ -348,6 +363,18 @@ class CosyVoiceEngine(Engine):
                 audio[i] = wav
         # Padding statistics are the LM's: rows decoded (tokens made) against slot-steps computed.
         return Synthesised(audio, lm_stats.live_slot_steps, lm_stats.slot_steps)
+
+
+def check_flow_backend(backend: str, device: str) -> None:
+    """UsageError when ``backend`` cannot run on ``device`` (a missing provider or package)."""
+    if backend == "torch":
+        return
+    from ..cosyvoice.flow_onnx import FlowBackendError, check_backend
+
+    try:
+        check_backend(backend, device)
+    except FlowBackendError as exc:
+        raise UsageError(f"--engine-opt flow_backend={backend}: {exc}") from None
 
 
 def split_on_oom(chunk: list[int], run) -> list:
