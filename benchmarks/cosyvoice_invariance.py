@@ -40,15 +40,15 @@ TEXTS = [
 def run(engine, rows, together: bool) -> tuple[dict, dict, dict]:
     """(audio per row id, tokens per segment seed, row id per segment seed)."""
     tokens: dict[int, list[int]] = {}
-    generate = engine.lm.generate
+    decode = engine.lm.decode
 
     def recording(requests, *a, **k):
-        out = generate(requests, *a, **k)
-        for r, t in zip(requests, out, strict=True):
+        out = decode(requests, *a, **k)
+        for r, t in zip(requests, out[0], strict=True):
             tokens[r.seed] = list(t)
         return out
 
-    engine.lm.generate = recording
+    engine.lm.decode = recording
     units, owners, seeds = [], [], {}
     for key, (item_id, text) in enumerate(rows):
         prepared = engine.prepare(text, item_id, VoiceRequest("alice", None, None, True))
@@ -62,7 +62,7 @@ def run(engine, rows, together: bool) -> tuple[dict, dict, dict]:
         syn = engine.synthesize(batch)
         for unit, wav in zip(batch, syn.audio, strict=True):
             audio[owners[units.index(unit)]].append(wav)
-    engine.lm.generate = generate
+    engine.lm.decode = decode
     return {k: np.concatenate(v) for k, v in audio.items()}, tokens, seeds
 
 
@@ -85,6 +85,7 @@ def main() -> None:
         for name, opts in {"defaults, one batch": {}, "8 slots, flow and vocoder batch 8":
                            {"lm_slots": 8, "flow_batch": 8, "hift_batch": 8}}.items():
             audio, tokens, _ = run(engine(**opts), rows, together=True)
+            assert sorted(tokens) == sorted(ref_tokens) and ref_tokens, "every segment's tokens were recorded"
             diverged = {seeds[k] for k in ref_tokens if tokens[k] != ref_tokens[k]}
             first = [next((i for i, (a, b) in enumerate(zip(ref_tokens[k], tokens[k], strict=False)) if a != b), None)
                      for k in ref_tokens if tokens[k] != ref_tokens[k]]

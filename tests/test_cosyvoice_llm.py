@@ -47,35 +47,11 @@ def lm(cosyvoice_dir):
 
 
 def test_greedy_batch_matches_upstream_token_for_token(lm, cosyvoice_dir):
-    upstream.load()
-    from cosyvoice.llm.llm import Qwen2Encoder, Qwen2LM
-
-    def greedy(scores, decoded, sampling):
-        return scores.argmax().reshape(1)
-
-    ref = Qwen2LM(
-        llm_input_size=64, llm_output_size=64, speech_token_size=6561, sampling=greedy,
-        llm=Qwen2Encoder(str(cosyvoice_dir / "CosyVoice-BlankEN")), length_normalized_loss=True, lsm_weight=0,
-        mix_ratio=[5, 15],
-    ).eval()
-    ref.load_state_dict(torch.load(cosyvoice_dir / "llm.pt", weights_only=True), strict=True)
-    with torch.no_grad():
-        ref.llm_decoder.bias[6561:] = -1e4
+    reference = upstream_greedy(cosyvoice_dir)
     reqs = requests()
-    batch = lm.generate(reqs, GREEDY)
-
-    def ids(values):
-        return torch.tensor([list(values)], dtype=torch.int32).reshape(1, -1)
-
-    for r, got in zip(reqs, batch, strict=True):
-        want = list(ref.inference(
-            text=ids(r.text), text_len=torch.tensor([len(r.text)]),
-            prompt_text=ids(r.prompt_text), prompt_text_len=torch.tensor([len(r.prompt_text)]),
-            prompt_speech_token=ids(r.prompt_speech), prompt_speech_token_len=torch.tensor([len(r.prompt_speech)]),
-            embedding=torch.zeros(1, 192),
-        ))
+    for r, got in zip(reqs, lm.generate(reqs, GREEDY), strict=True):
         assert len(got) == 20 * len(r.text), "no stop token: runs to upstream's max of 20x the text tokens"
-        assert got == want
+        assert got == reference(r)
 
 
 def test_cached_batched_decode_equals_full_forward(lm):

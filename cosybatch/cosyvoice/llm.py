@@ -297,21 +297,10 @@ class SpeechLM(nn.Module):
                                   _round_up(max_steps, LENGTH_BUCKET), sampling, cuda_graphs, check_every)
         return self._pool
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        requests: Sequence[LMRequest],
-        sampling: Sampling | None = None,
-        min_ratio: float = 2.0,
-        max_ratio: float = 20.0,
-        slots: int | None = None,
-        cuda_graphs: bool = True,
-        check_every: int = CHECK_EVERY,
-    ) -> list[list[int]]:
+    def generate(self, requests: Sequence[LMRequest], sampling: Sampling | None = None, **options) -> list[list[int]]:
         """Speech tokens for every request (stop token excluded); also stored in ``request.tokens``.
-        ``self.last_stats`` says how full the slots were (see :meth:`decode`)."""
-        tokens, self.last_stats = self.decode(requests, sampling, min_ratio, max_ratio, slots, cuda_graphs,
-                                              check_every)
+        ``options`` are :meth:`decode`'s; ``self.last_stats`` says how full the slots were."""
+        tokens, self.last_stats = self.decode(requests, sampling, **options)
         return tokens
 
     @torch.inference_mode()
