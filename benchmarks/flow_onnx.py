@@ -33,26 +33,8 @@ from cosybatch.cosyvoice.flow import FlowInput  # noqa: E402
 from cosybatch.cosyvoice.tiny import write_model_dir  # noqa: E402
 from cosybatch.cosyvoice.token2wav import Token2Wav  # noqa: E402
 
-
-def make_items(n: int, seed: int) -> list[FlowInput]:
-    """Mixed lengths, 1 to 6 s of speech (25 to 150 tokens), a third with a 3 s prompt."""
-    gen = torch.Generator().manual_seed(seed)
-    items = []
-    for i in range(n):
-        tokens = int(torch.randint(25, 151, (1,), generator=gen))
-        prompt = 75 if i % 3 == 0 else 0
-        items.append(FlowInput(
-            tokens=torch.randint(0, 6561, (tokens,), generator=gen),
-            embedding=torch.randn(192, generator=gen),
-            prompt_tokens=torch.randint(0, 6561, (prompt,), generator=gen) if prompt else None,
-            prompt_mel=torch.randn(2 * prompt, 80, generator=gen) if prompt else None,
-        ))
-    return items
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from token2wav import make_items, sync  # noqa: E402  (the same items and sync as token2wav.py)
 
 
 def run(t2w: Token2Wav, items: list[FlowInput], batch: int) -> tuple[float, list[torch.Tensor]]:
