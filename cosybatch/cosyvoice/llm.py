@@ -239,36 +239,58 @@ class LMRequest:
     tokens: list[int] = field(default_factory=list)  # filled by generate()
 
 
-class SpeechLM(nn.Module):
-    """Upstream's Qwen2LM parameters (``llm.model.model.*``, ``llm_embedding``, ``llm_decoder``,
-    ``speech_embedding``) and batched generation."""
+class DecoderLM(nn.Module):
+    """What the slot pool needs of a speech-token LM, and batched decoding over it.
 
-    def __init__(self, config: Qwen2Config, speech_token_size: int = SPEECH_TOKENS):
+    A subclass provides ``llm_decoder`` (hidden -> logits over speech ids and control ids),
+    ``speech_embedding`` (speech id -> input embedding), :meth:`prompt_embeddings`, :meth:`body`
+    (the decoder stack over new positions, reading and writing a KV cache), ``kv_layout`` and
+    ``hidden_size``. The stop rule is data: ids from ``stop_from`` on end a row, ids from
+    ``emit_limit`` on are never emitted, and ``min_len_masked`` (a slice of ids) is refused before
+    a row's minimum length.
+    """
+
+    speech_token_size: int = SPEECH_TOKENS
+
+    def __init__(self) -> None:
         super().__init__()
-        self.config = config
-        self.speech_token_size = speech_token_size
-        self.llm = _Encoder(config)
-        h = config.hidden_size
-        self.llm_embedding = nn.Embedding(2, h)
-        self.llm_decoder = nn.Linear(h, speech_token_size + 3)
-        self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
         self._pool: SlotPool | None = None
         # One decode at a time: the pool (and its CUDA graphs) is shared state. With two workers,
         # one decodes while the other runs the flow and the vocoder.
         self._decoding = threading.Lock()
 
+    # -- what a subclass provides ---------------------------------------------------------------
     @property
-    def qwen(self) -> Qwen2Model:
-        return self.llm.model.model
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of the KV cache."""
+        raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        raise NotImplementedError
 
     def prompt_embeddings(self, req: LMRequest, device: torch.device) -> Tensor:
-        text = torch.tensor([*req.prompt_text, *req.text], dtype=torch.long, device=device)
-        speech = torch.tensor(list(req.prompt_speech), dtype=torch.long, device=device)
-        w = self.llm_embedding.weight
-        return torch.cat(
-            [w[SOS][None], self.qwen.embed_tokens(text), w[TASK_ID][None], self.speech_embedding(speech)], dim=0
-        )
+        """(P, H) input embeddings of a request's prompt (everything before its first speech token)."""
+        raise NotImplementedError
 
+    def body(self, x: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
+        """x: (B, T, H) inputs at ``positions`` (B or 1, T); returns (B, T, H) hidden states."""
+        raise NotImplementedError
+
+    # -- the stop rule (CosyVoice2's: one stop id, the ids after it never emitted) ---------------
+    @property
+    def stop_from(self) -> int:
+        return self.speech_token_size
+
+    @property
+    def emit_limit(self) -> int:
+        return self.speech_token_size + 1
+
+    @property
+    def min_len_masked(self) -> slice:
+        return slice(self.speech_token_size, self.speech_token_size + 1)
+
+    # -- decoding -------------------------------------------------------------------------------
     def forward_full(self, embeds: Tensor) -> Tensor:
         """Log-probabilities over speech ids at every position of one unpadded sequence (no cache).
 
@@ -276,16 +298,8 @@ class SpeechLM(nn.Module):
         t = embeds.size(0)
         mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()[None, None]
         positions = torch.arange(t, device=embeds.device)[None]
-        hidden = self.qwen(embeds[None], positions, Cache(), mask)
+        hidden = self.body(embeds[None], positions, Cache(), mask)
         return self.llm_decoder(hidden[0]).log_softmax(-1)
-
-    def to_precision(self, dtype: torch.dtype) -> SpeechLM:
-        """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
-        inv_freq = self.qwen.inv_freq
-        self._pool = None  # its CUDA graphs point at the old weights
-        self.to(dtype=dtype)
-        self.qwen.inv_freq = inv_freq
-        return self
 
     def slot_pool(self, slots: int, capacity: int, max_steps: int, sampling: Sampling, cuda_graphs: bool = True,
                   check_every: int = CHECK_EVERY) -> SlotPool:
@@ -338,6 +352,54 @@ class SpeechLM(nn.Module):
             req.tokens = tokens
         return out, stats
 
+
+
+
+class SpeechLM(DecoderLM):
+    """Upstream's Qwen2LM parameters (``llm.model.model.*``, ``llm_embedding``, ``llm_decoder``,
+    ``speech_embedding``) and batched generation."""
+
+    def __init__(self, config: Qwen2Config, speech_token_size: int = SPEECH_TOKENS):
+        super().__init__()
+        self.config = config
+        self.speech_token_size = speech_token_size
+        self.llm = _Encoder(config)
+        h = config.hidden_size
+        self.llm_embedding = nn.Embedding(2, h)
+        self.llm_decoder = nn.Linear(h, speech_token_size + 3)
+        self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
+
+    @property
+    def qwen(self) -> Qwen2Model:
+        return self.llm.model.model
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def body(self, x: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
+        return self.qwen(x, positions, cache, mask)
+
+    def prompt_embeddings(self, req: LMRequest, device: torch.device) -> Tensor:
+        text = torch.tensor([*req.prompt_text, *req.text], dtype=torch.long, device=device)
+        speech = torch.tensor(list(req.prompt_speech), dtype=torch.long, device=device)
+        w = self.llm_embedding.weight
+        return torch.cat(
+            [w[SOS][None], self.qwen.embed_tokens(text), w[TASK_ID][None], self.speech_embedding(speech)], dim=0
+        )
+
+    def to_precision(self, dtype: torch.dtype) -> SpeechLM:
+        """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
+        inv_freq = self.qwen.inv_freq
+        self._pool = None  # its CUDA graphs point at the old weights
+        self.to(dtype=dtype)
+        self.qwen.inv_freq = inv_freq
+        return self
 
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
@@ -399,8 +461,8 @@ class _SlotCache:
 
     def __init__(self, pool: SlotPool, n: int, window: int, pos: Tensor):
         self.pool, self.n, self.window = pool, n, window
-        c = pool.lm.config
-        self.index = pos.view(n, 1, 1, 1).expand(n, c.num_key_value_heads, 1, c.head_dim)
+        _, kv_heads, head_dim = pool.lm.kv_layout
+        self.index = pos.view(n, 1, 1, 1).expand(n, kv_heads, 1, head_dim)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         keys, values = self.pool.k[layer][: self.n], self.pool.v[layer][: self.n]
@@ -427,21 +489,21 @@ class SlotPool:
     is its warm-up) and replayed after that.
     """
 
-    def __init__(self, lm: SpeechLM, slots: int, capacity: int, max_steps: int, sampling: Sampling,
+    def __init__(self, lm: DecoderLM, slots: int, capacity: int, max_steps: int, sampling: Sampling,
                  cuda_graphs: bool = True, check_every: int = CHECK_EVERY):
-        c = lm.config
+        layers, kv_heads, head_dim = lm.kv_layout
         weight = lm.llm_decoder.weight
         device, dtype = weight.device, weight.dtype
         self.lm, self.slots, self.capacity, self.max_steps = lm, slots, capacity, max_steps
         self.sampling, self.check_every = sampling, check_every
-        shape = (slots, c.num_key_value_heads, capacity, c.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
 
         def longs(fill: int = 0, *size: int) -> Tensor:
             return torch.full((slots, *size), fill, dtype=torch.long, device=device)
 
-        self.hidden = torch.zeros(slots, c.hidden_size, device=device, dtype=dtype)
+        self.hidden = torch.zeros(slots, lm.hidden_size, device=device, dtype=dtype)
         self.pos, self.count, self.lo, self.hi = longs(), longs(), longs(), longs()
         self.done = torch.ones(slots, dtype=torch.bool, device=device)
         self.history = longs(-1, sampling.win_size)
@@ -535,14 +597,14 @@ class SlotPool:
         lm, device = self.lm, self.hidden.device
         lengths = [w.prompt.size(0) for _, w in placed]
         width = max(lengths)
-        x = torch.zeros(len(placed), width, lm.config.hidden_size, device=device, dtype=self.hidden.dtype)
+        x = torch.zeros(len(placed), width, lm.hidden_size, device=device, dtype=self.hidden.dtype)
         for row, (_, w) in enumerate(placed):
             x[row, : lengths[row]] = w.prompt
         slots = torch.tensor([s for s, _ in placed], device=device)
         # Right padding: a real position only sees earlier (real) ones; padded keys are written but
         # the first decode steps overwrite them before any row can see them.
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
-        h = lm.qwen(x, self.positions[:width][None], _PrefillCache(self, slots), causal)
+        h = lm.body(x, self.positions[:width][None], _PrefillCache(self, slots), causal)
         last = torch.tensor(lengths, device=device) - 1
         self.hidden[slots] = h[torch.arange(len(placed), device=device), last]
         self.stats.prefills += 1
@@ -572,7 +634,7 @@ class SlotPool:
         packed = torch.cat([self.recent[:n, -steps:], self.recent_live[:n, -steps:].long(),
                             self.done[:n, None].long()], dim=1).tolist()
         self.stats.host_syncs += 1
-        stop = self.lm.speech_token_size
+        stop = self.lm.stop_from
         for s in range(n):
             w = self.owner[s]
             if w is None:
@@ -584,7 +646,7 @@ class SlotPool:
                     tokens.append(token)
                     self.stats.live_slot_steps += 1
             if row[-1]:
-                if tokens and tokens[-1] == stop:
+                if tokens and tokens[-1] >= stop:
                     tokens.pop()
                 self.owner[s] = None
             else:
@@ -639,19 +701,21 @@ class SlotPool:
     def _step(self, n: int, window: int) -> None:
         """Sample one token per slot from ``hidden``, then run those tokens through the model."""
         lm, s = self.lm, self.sampling
-        stop = lm.speech_token_size
+        stop = lm.stop_from
         hidden, pos, count = self.hidden[:n], self.pos[:n], self.count[:n]
         done, history = self.done[:n], self.history[:n]
         logp = lm.llm_decoder(hidden).float().log_softmax(-1)
-        # Ids past the stop token are never emitted (upstream skips them and repeats the step);
-        # the stop token is refused before a row's minimum length.
-        logp[:, stop + 1 :] = -math.inf
-        logp[:, stop] = logp[:, stop].masked_fill(count < self.lo[:n], -math.inf)
+        # Ids from emit_limit on are never emitted (upstream skips them and repeats the step);
+        # the stop ids are refused before a row's minimum length.
+        if lm.emit_limit < logp.size(-1):
+            logp[:, lm.emit_limit :] = -math.inf
+        early = lm.min_len_masked
+        logp[:, early] = logp[:, early].masked_fill((count < self.lo[:n])[:, None], -math.inf)
         index = count.clamp(max=self.max_steps - 1).view(n, 1, 1).expand(n, 1, 2)
         # A masked id can come out only of NaN logits or a rounding edge of the draw: it stops the row.
-        ids = sample(logp, history, self.uniforms[:n].gather(1, index)[:, 0], s).clamp(max=stop)
+        ids = sample(logp, history, self.uniforms[:n].gather(1, index)[:, 0], s).clamp(max=lm.emit_limit - 1)
         live = ~done
-        ended = live & ((ids == stop) | (count + 1 >= self.hi[:n]))
+        ended = live & ((ids >= stop) | (count + 1 >= self.hi[:n]))
         history.copy_(torch.cat([history[:, 1:], ids[:, None]], dim=1))
         self.recent[:n] = torch.cat([self.recent[:n, 1:], ids[:, None]], dim=1)
         self.recent_live[:n] = torch.cat([self.recent_live[:n, 1:], live[:, None]], dim=1)
@@ -659,7 +723,7 @@ class SlotPool:
         done.logical_or_(ended)
         embeds = lm.speech_embedding(ids)[:, None]
         mask = (self.positions[:window][None, :] <= pos[:, None])[:, None, None, :]
-        h = lm.qwen(embeds, pos[:, None], _SlotCache(self, n, window, pos), mask)
+        h = lm.body(embeds, pos[:, None], _SlotCache(self, n, window, pos), mask)
         hidden.copy_(h[:, -1])
         pos.add_(live.long())
 
