@@ -438,18 +438,25 @@ def shard_indices(root: Path) -> dict[int, Path]:
 MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("text", "string"),
                     ("voice", "string"), ("duration_s", "float64"), ("num_samples", "int64"),
                     ("sample_rate", "int32"), ("row", "int64"))
+# Columns a manifest has only when some item has the field (so a job without them keeps the schema).
+OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"),)
 
 
 def write_manifest_table(root: Path, records) -> int:
-    """Write ROOT/manifest.parquet (atomically) from item records with MANIFEST_COLUMNS keys."""
+    """Write ROOT/manifest.parquet (atomically) from item records with MANIFEST_COLUMNS keys (and
+    OPTIONAL_MANIFEST_COLUMNS where some record has them)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cols: dict[str, list] = {name: [] for name, _ in MANIFEST_COLUMNS}
+    records = list(records)
+    columns = MANIFEST_COLUMNS + tuple(c for c in OPTIONAL_MANIFEST_COLUMNS if any(c[0] in r for r in records))
+    cols: dict[str, list] = {name: [] for name, _ in columns}
     for record in records:
-        for name in cols:
+        for name, _ in MANIFEST_COLUMNS:
             cols[name].append(record[name])
-    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in MANIFEST_COLUMNS])
+        for name in cols.keys() - dict(MANIFEST_COLUMNS).keys():
+            cols[name].append(record.get(name))
+    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in columns])
     table = pa.table(cols, schema=schema)
     tmp = root / f".{MANIFEST_FILE}.tmp"
     pq.write_table(table, tmp)

@@ -63,6 +63,8 @@ ENGINE_OPTION_ALIASES = {
     "prompt_wav": (Path, "Alias of --engine-opt prompt_wav=PATH: default zero-shot prompt audio."),
     "prompt_text": (str, "Alias of --engine-opt prompt_text=TEXT: what the prompt audio says."),
     "prompt_dir": (Path, "Alias of --engine-opt prompt_dir=DIR: a folder rows' prompt_wav paths may point into."),
+    "instruct": (str, "Alias of --engine-opt instruct=TEXT: the default instruction (emotion, speed, dialect, "
+                      "style) for rows without an instruct column value."),
     "precision": (str, "Alias of --engine-opt precision=fp32|bf16|fp16."),
     "noise_scale": (float, "Alias of --engine-opt noise_scale=X."),
     "length_scale": (float, "Alias of --engine-opt length_scale=X."),

@@ -35,6 +35,7 @@ class Row:
     voice: Optional[str] = None
     prompt_wav: Optional[str] = None  # zero-shot prompt audio (engines that clone voices)
     prompt_text: Optional[str] = None  # what the prompt audio says
+    instruct: Optional[str] = None  # a natural-language instruction (emotion, speed, dialect...)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Columns:
     voice_required: bool = False
     prompt_wav: str = "prompt_wav"
     prompt_text: str = "prompt_text"
+    instruct: str = "instruct"
     voice_fallback: Optional[str] = None
 
     def with_voice(self, names) -> Columns:
@@ -140,7 +142,7 @@ class Corpus:
                 )
         self.columns = c = c.with_voice(names)
         self._has_voice = c.voice in names
-        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text) if n in names)
+        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text, c.instruct) if n in names)
         for name in self._prompt_cols:
             ptype = schema.field(name).type
             if not (pa.types.is_string(ptype) or pa.types.is_large_string(ptype) or pa.types.is_null(ptype)):
@@ -158,7 +160,7 @@ class Corpus:
         with_text = 0
         with_id = 0
         with_voice = 0
-        with_prompt = {c.prompt_wav: 0, c.prompt_text: 0}
+        with_prompt = {c.prompt_wav: 0, c.prompt_text: 0, c.instruct: 0}
         try:
             for _, line in _jsonl_lines(self.path):
                 if objects >= JSONL_SNIFF_ROWS:
@@ -273,7 +275,8 @@ class Corpus:
             return BadRow(index, _id_or_none(raw_id), f"line {index + 1} has no {c.text!r} field")
         voice = obj.get(c.voice) if self._has_voice else None
         prompts = {name: obj.get(name) for name in self._prompt_cols}
-        return _make_row(index, raw_id, obj[c.text], voice, prompts.get(c.prompt_wav), prompts.get(c.prompt_text))
+        return _make_row(index, raw_id, obj[c.text], voice, prompts.get(c.prompt_wav), prompts.get(c.prompt_text),
+                         prompts.get(c.instruct))
 
     def rows_from_columns(self, data: dict, first_index: int) -> Iterator[Union[Row, BadRow]]:
         """Rows from a column batch {name: list} of a Parquet corpus, numbered from first_index."""
@@ -283,12 +286,14 @@ class Corpus:
         voices = data[c.voice] if self._has_voice else None
         wavs = data.get(c.prompt_wav) if c.prompt_wav in self._prompt_cols else None
         prompt_texts = data.get(c.prompt_text) if c.prompt_text in self._prompt_cols else None
+        instructs = data.get(c.instruct) if c.instruct in self._prompt_cols else None
         for k, text in enumerate(texts):
             index = first_index + k
             raw_id = ids[k] if ids is not None else index
             voice = voices[k] if voices is not None else None
             yield _make_row(index, raw_id, text, voice, wavs[k] if wavs is not None else None,
-                            prompt_texts[k] if prompt_texts is not None else None)
+                            prompt_texts[k] if prompt_texts is not None else None,
+                            instructs[k] if instructs is not None else None)
 
     @property
     def read_columns(self) -> list[str]:
@@ -343,7 +348,7 @@ def _encodable(value: str) -> bool:
     return True
 
 
-def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None) -> Union[Row, BadRow]:
+def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None, instruct=None) -> Union[Row, BadRow]:
     if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
         return BadRow(index, None, f"row {index} has an empty id")
     if isinstance(raw_id, (dict, list, float)):
@@ -362,14 +367,16 @@ def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None
         return BadRow(index, row_id, f"voice is a {type(voice).__name__}, expected a string")
     if voice is not None and not _encodable(voice):
         return BadRow(index, row_id, f"voice is not valid Unicode: {voice!r}")
-    for name, value in (("prompt_wav", prompt_wav), ("prompt_text", prompt_text)):
+    for name, value in (("prompt_wav", prompt_wav), ("prompt_text", prompt_text), ("instruct", instruct)):
         if value is not None and not isinstance(value, str):
             return BadRow(index, row_id, f"{name} is a {type(value).__name__}, expected a string")
         if value is not None and not _encodable(value):
             return BadRow(index, row_id, f"{name} is not valid Unicode: {value!r}")
     if prompt_text is not None:
         prompt_text = clean_text(prompt_text)
+    if instruct is not None:
+        instruct = clean_text(instruct)
     if prompt_text and not prompt_wav:
         return BadRow(index, row_id, "prompt_text without prompt_wav; give the prompt audio too, or drop the text")
     return Row(index=index, id=row_id, text=text, voice=voice or None, prompt_wav=prompt_wav or None,
-               prompt_text=prompt_text or None)
+               prompt_text=prompt_text or None, instruct=instruct or None)

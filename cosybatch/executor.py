@@ -34,6 +34,7 @@ class PendingRow:
     remaining: int
     error: Optional[str] = None
     label: Optional[str] = None  # the row's voice for the manifest (multi-voice engines)
+    instruct: Optional[str] = None  # the instruction it is spoken with, for the manifest
 
 
 @dataclass
@@ -65,7 +66,7 @@ def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
 
 
 def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig,
-                voice: Optional[str] = None) -> tuple[str, dict, dict]:
+                voice: Optional[str] = None, instruct: Optional[str] = None) -> tuple[str, dict, dict]:
     """A finished row -> (shard key, tar members {ext: bytes}, manifest record). `voice` is the
     row's own voice when the engine serves several (fixed when the row was prepared)."""
     audio = assemble_audio(parts, engine.sample_rate, cfg)
@@ -78,18 +79,25 @@ def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig
         "settings": {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence,
                      "normalize": cfg.normalize, "cosybatch": __version__},
     }
+    if instruct is not None:
+        meta["instruct"] = instruct
     if text != row.text:
         meta["source_text"] = row.text
     members = {"wav": wav_bytes(audio, engine.sample_rate), "json": json.dumps(meta, ensure_ascii=False).encode()}
     record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
               "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate,
               "source": source_hash(row)}
+    if instruct is not None:
+        record["instruct"] = instruct
     return key, members, record
 
 
 def source_hash(row: Row) -> str:
     """What a row asked for (text, voice, prompt): a later corpus whose row differs is reported."""
-    fields = json.dumps([row.text, row.voice, row.prompt_wav, row.prompt_text], ensure_ascii=False)
+    fields = [row.text, row.voice, row.prompt_wav, row.prompt_text]
+    if row.instruct is not None:  # only then, so earlier manifests' hashes stay valid
+        fields.append(row.instruct)
+    fields = json.dumps(fields, ensure_ascii=False)
     return hashlib.blake2b(fields.encode(), digest_size=8).hexdigest()
 
 
@@ -181,10 +189,13 @@ class EngineSet:
         voice = row.voice or self.cfg.voice
         engine = self.get(voice, from_row=row.voice is not None)
         from_row = row.voice is not None or row.prompt_wav is not None
-        request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, from_row)
+        request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, from_row, row.instruct)
         if row.prompt_wav is not None and not self.cls.zero_shot:
             raise RowRejected(f"engine {self.cls.name!r} takes no prompt audio; drop the prompt_wav column "
                               "or choose an engine that clones voices")
+        if row.instruct is not None and not self.cls.takes_instruct:
+            raise RowRejected(f"engine {self.cls.name!r} cannot follow an instruction; drop the instruct column "
+                              "or use --engine cosyvoice with a model that takes instructions")
         prepared = engine.prepare(row.text, row.id, request)
         if not prepared.costs or len(prepared.costs) != len(prepared.payloads):
             raise RowRejected(f"engine {self.cls.name!r} cut the row into {len(prepared.costs)} pieces with "
@@ -227,7 +238,7 @@ class RowAssembler:
         key, self._next_key = self._next_key, self._next_key + 1
         with self.lock:
             self.rows[key] = PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
-                                        len(prepared.costs), label=prepared.voice)
+                                        len(prepared.costs), label=prepared.voice, instruct=prepared.instruct)
         return [Unit(key, part, cost, group, payload)
                 for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
 
@@ -256,5 +267,5 @@ def render_rows(finished: list[PendingRow], engines: EngineSet, cfg: RunConfig) 
             failures.append({"id": row.id, "row": row.index, "reason": pending.error})
         else:
             items.append(render_item(row, pending.text, pending.parts, engines.by_voice[pending.voice], cfg,
-                                     pending.label))
+                                     pending.label, pending.instruct))
     return items, failures

@@ -15,6 +15,7 @@ import torch
 
 from cosybatch.cosyvoice import features
 from cosybatch.cosyvoice.features import (
+    MelSettings,
     PromptError,
     Voice,
     VoiceBank,
@@ -237,20 +238,26 @@ def test_kaldi_fbank_frames_and_properties():
     np.testing.assert_array_equal(kaldi_fbank(x), fb)
 
 
-def test_prompt_mel_frames_and_numpy_reference():
-    x = chirp(1.0, 24000) + 0.01 * np.random.default_rng(3).standard_normal(24000).astype(np.float32)
-    m = prompt_mel(x)
-    assert m.shape == (24000 // 480, 80) and m.dtype == np.float32
-    padded = np.pad(x.astype(np.float64), 720, mode="reflect")
-    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(1920) / 1920)
-    n = 1 + (padded.size - 1920) // 480
-    frames = np.stack([padded[i * 480 : i * 480 + 1920] * window for i in range(n)])
+@pytest.mark.parametrize("settings", [
+    MelSettings(),  # CosyVoice2
+    MelSettings(22050, 1024, 256, 1024, fmax=8000.0),  # CosyVoice-300M
+    MelSettings(fmax=None),  # CosyVoice3: up to Nyquist
+], ids=["v2", "v1", "v3"])
+def test_prompt_mel_frames_and_numpy_reference(settings):
+    sr, n_fft, hop = settings.sample_rate, settings.n_fft, settings.hop
+    x = chirp(1.0, sr) + 0.01 * np.random.default_rng(3).standard_normal(sr).astype(np.float32)
+    m = prompt_mel(x, settings)
+    assert m.shape == (sr // hop, 80) and m.dtype == np.float32
+    padded = np.pad(x.astype(np.float64), (n_fft - hop) // 2, mode="reflect")
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
+    n = 1 + (padded.size - n_fft) // hop
+    frames = np.stack([padded[i * hop : i * hop + n_fft] * window for i in range(n)])
     mag = np.sqrt(np.abs(np.fft.rfft(frames, axis=1)) ** 2 + 1e-9)
-    ref = np.log(np.maximum(mag @ slaney_mel_filters(24000, 1920, 80, 0.0, 8000.0).T.astype(np.float64), 1e-5))
-    np.testing.assert_allclose(m, ref, atol=2e-3)
-    assert prompt_mel(np.zeros(4800, dtype=np.float32)).max() == pytest.approx(math.log(1e-5), abs=1e-6)
+    filters = slaney_mel_filters(sr, n_fft, 80, 0.0, settings.fmax).T.astype(np.float64)
+    np.testing.assert_allclose(m, np.log(np.maximum(mag @ filters, 1e-5)), atol=2e-3)
+    assert prompt_mel(np.zeros(sr // 5, dtype=np.float32), settings).max() == pytest.approx(math.log(1e-5), abs=1e-6)
     with pytest.raises(PromptError, match="too short"):
-        prompt_mel(np.zeros(100, dtype=np.float32))
+        prompt_mel(np.zeros(100, dtype=np.float32), settings)
 
 
 # ---------------------------------------------------------------------------- voice bank
@@ -424,8 +431,3 @@ def test_sft_speakers(cosyvoice_dir, tmp_path):
     assert bare_bank.speakers == []
     with pytest.raises(PromptError, match=r"no spk2info\.pt"):
         bare_bank.speaker("alice")
-
-
-def test_bank_rejects_other_flow_rates(cosyvoice_dir):
-    with pytest.raises(ValueError, match="24 kHz"):
-        VoiceBank(cosyvoice_dir, sample_rate=22050)

@@ -141,7 +141,7 @@ def test_yaml_rejects_code_in_references(tmp_path):
 
 
 def test_model_dir_errors_name_the_problem(cosyvoice_dir, tmp_path):
-    with pytest.raises(ModelDirError, match=r"no cosyvoice2\.yaml"):
+    with pytest.raises(ModelDirError, match=r"no CosyVoice yaml \(cosyvoice\.yaml, cosyvoice2\.yaml, cosyvoice3"):
         read_config(tmp_path)
     broken = tmp_path / "model"
     broken.mkdir()

@@ -39,19 +39,44 @@ from ..errors import UsageError
 SPEAKER_DIM = 192
 MAX_PROMPT_SECONDS = 30.0  # upstream's speech tokenizer refuses longer audio
 TOKENIZER_RATE = 16000  # speech tokenizer and campplus both read 16 kHz audio
-MEL_PER_TOKEN = 2  # CosyVoice2 flow: 50 Hz mel, 25 Hz tokens
+MEL_PER_TOKEN = 2  # CosyVoice2 and 3 flows: 50 Hz mel, 25 Hz tokens
 
 # whisper's front end (whisper/audio.py constants)
 WHISPER_N_FFT = 400
 WHISPER_HOP = 160
 
-# matcha mel for the 24 kHz flow (the ``feat_extractor`` block of cosyvoice2.yaml)
-MEL_N_FFT = 1920
-MEL_HOP = 480
-MEL_WIN = 1920
-MEL_BINS = 80
-MEL_FMIN = 0.0
-MEL_FMAX = 8000.0
+
+
+@dataclass(frozen=True)
+class MelSettings:
+    """matcha's mel spectrogram as the yaml's ``feat_extractor`` sets it: the flow's prompt features."""
+
+    sample_rate: int = 24000
+    n_fft: int = 1920
+    hop: int = 480
+    win: int = 1920
+    n_mels: int = 80
+    fmin: float = 0.0
+    fmax: float | None = 8000.0
+
+    @classmethod
+    def from_yaml(cls, raw: dict[str, Any], sample_rate: int) -> MelSettings:
+        from .yamlconf import Call
+
+        node = raw.get("feat_extractor")
+        if not isinstance(node, Call):
+            return cls()  # CosyVoice2's, for a yaml that leaves it out
+        k = node.kwargs
+        try:
+            fmax = k.get("fmax", 8000)
+            return cls(int(k.get("sampling_rate", sample_rate)), int(k["n_fft"]), int(k["hop_size"]),
+                       int(k["win_size"]), int(k.get("num_mels", 80)), float(k.get("fmin", 0)),
+                       None if fmax is None else float(fmax))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"feat_extractor: {exc!r} in {k}") from None
+
+
+V2_MEL = MelSettings()  # cosyvoice2.yaml's feat_extractor
 
 
 class PromptError(ValueError):
@@ -242,24 +267,27 @@ def kaldi_fbank(wav16k: np.ndarray, num_mel_bins: int = 80) -> np.ndarray:
     return np.stack([np.asarray(fbank.get_frame(i), dtype=np.float32) for i in range(n)])
 
 
-def prompt_mel(wav24k: np.ndarray) -> np.ndarray:
-    """Matcha-style log-mel of 24 kHz audio, ``(len // 480, 80)`` float32: the flow's prompt features.
+def prompt_mel(wav: np.ndarray, s: MelSettings = V2_MEL) -> np.ndarray:
+    """Matcha-style log-mel of audio at ``s.sample_rate``, ``(len // hop, n_mels)`` float32: the
+    flow's prompt features.
 
-    Reflect-pad 720 samples each side, STFT (n_fft 1920, hop 480, periodic hann 1920, not centred),
-    magnitude ``sqrt(re^2 + im^2 + 1e-9)``, slaney mel 0-8000 Hz, ``log(max(x, 1e-5))``.
+    Reflect-pad (n_fft - hop) / 2 samples each side, STFT (periodic hann window, not centred),
+    magnitude ``sqrt(re^2 + im^2 + 1e-9)``, slaney mel fmin-fmax, ``log(max(x, 1e-5))``. CosyVoice2:
+    24 kHz, n_fft 1920, hop 480, 0-8000 Hz; CosyVoice-300M: 22.05 kHz, 1024, 256, 0-8000 Hz;
+    CosyVoice3: as CosyVoice2 up to Nyquist.
     """
-    x = torch.from_numpy(np.ascontiguousarray(wav24k, dtype=np.float32))
+    x = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32))
     if x.ndim != 1:
         raise ValueError(f"expected 1-D audio, got shape {tuple(x.shape)}")
-    pad = (MEL_N_FFT - MEL_HOP) // 2
+    pad = (s.n_fft - s.hop) // 2
     if x.numel() <= pad:
-        raise PromptError(f"prompt audio too short for the prompt mel ({x.numel()} samples at 24 kHz)")
+        raise PromptError(f"prompt audio too short for the prompt mel ({x.numel()} samples at {s.sample_rate} Hz)")
     x = torch.nn.functional.pad(x[None, None], (pad, pad), mode="reflect")[0, 0]
     spec = torch.view_as_real(
-        torch.stft(x, MEL_N_FFT, MEL_HOP, MEL_WIN, window=_hann(MEL_WIN), center=False, return_complex=True)
+        torch.stft(x, s.n_fft, s.hop, s.win, window=_hann(s.win), center=False, return_complex=True)
     )
     mag = torch.sqrt(spec.pow(2).sum(-1) + 1e-9)
-    mel = _mel_filters_tensor(24000, MEL_N_FFT, MEL_BINS, MEL_FMIN, MEL_FMAX) @ mag
+    mel = _mel_filters_tensor(s.sample_rate, s.n_fft, s.n_mels, s.fmin, s.fmax) @ mag
     return torch.log(torch.clamp(mel, min=1e-5)).T.contiguous().numpy()
 
 
@@ -340,15 +368,21 @@ class VoiceBank:
         self,
         model_dir: str | os.PathLike[str],
         providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
-        sample_rate: int = 24000,
+        mel: MelSettings = V2_MEL,
+        speech_tokenizer: str = "speech_tokenizer_v2.onnx",
+        mel_per_token: int | None = MEL_PER_TOKEN,
         cache_size: int = 256,
         threads: int = 1,
     ) -> None:
-        if int(sample_rate) != 24000:
-            raise ValueError(f"prompt features are implemented for CosyVoice2's 24 kHz flow only, not {sample_rate} Hz")
+        """``mel``: the flow's prompt mel (the yaml's feat_extractor); ``mel_per_token``: prompt mel
+        frames per prompt speech token, to which both are trimmed (None: kept as they are, for
+        CosyVoice-300M, whose flow interpolates tokens to mel frames)."""
         self.model_dir = Path(model_dir)
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
-        self.sample_rate = int(sample_rate)
+        self.mel = mel
+        self.sample_rate = mel.sample_rate
+        self.speech_tokenizer = speech_tokenizer
+        self.mel_per_token = mel_per_token
         self.cache_size = max(1, int(cache_size))
         self.threads = int(threads)
         self._lock = threading.Lock()
@@ -439,9 +473,10 @@ class VoiceBank:
             wav16 = resample(audio, sr, TOKENIZER_RATE)
             wav_flow = resample(audio, sr, self.sample_rate)
             tokens = self.speech_tokens(wav16)
-            mel = prompt_mel(wav_flow)
-            n = min(mel.shape[0] // MEL_PER_TOKEN, tokens.shape[0])
-            if n == 0:
+            mel = prompt_mel(wav_flow, self.mel)
+            ratio = self.mel_per_token
+            n = min(mel.shape[0] // ratio, tokens.shape[0]) if ratio else tokens.shape[0]
+            if n == 0 or mel.shape[0] == 0:
                 raise PromptError("too short to give one speech token")
             embedding = self.embedding(wav16)
         except PromptError as err:
@@ -453,13 +488,14 @@ class VoiceBank:
             embedding=torch.from_numpy(embedding),
             prompt_text=prompt_text,
             prompt_tokens=torch.from_numpy(tokens[:n].astype(np.int64)),
-            prompt_mel=torch.from_numpy(np.ascontiguousarray(mel[: MEL_PER_TOKEN * n])),
+            prompt_mel=torch.from_numpy(np.ascontiguousarray(mel[: ratio * n] if ratio else mel)),
         )
 
     def speech_tokens(self, wav16k: np.ndarray) -> np.ndarray:
-        """Speech tokens (int64, 25 Hz) of 16 kHz audio through ``speech_tokenizer_v2.onnx``."""
+        """Speech tokens (int64; 25 Hz, CosyVoice-300M 50 Hz) of 16 kHz audio through the model's
+        speech tokenizer (v1's gives them as [1, 1, T], v2's and v3's as [1, T])."""
         feats = whisper_log_mel(wav16k, n_mels=128)[None]
-        sess = self._session("speech_tokenizer_v2.onnx")
+        sess = self._session(self.speech_tokenizer)
         inputs = sess.get_inputs()
         out = sess.run(None, {inputs[0].name: feats, inputs[1].name: np.array([feats.shape[2]], dtype=np.int32)})[0]
         return np.asarray(out).reshape(-1).astype(np.int64)

@@ -236,6 +236,7 @@ class LMRequest:
     seed: int = 0
     min_tokens: int | None = None  # default: min_ratio x len(text)
     max_tokens: int | None = None  # default: max_ratio x len(text)
+    embedding: Tensor | None = None  # the speaker embedding (192,), for LMs that read one (CosyVoice-300M)
     tokens: list[int] = field(default_factory=list)  # filled by generate()
 
 
@@ -289,6 +290,10 @@ class DecoderLM(nn.Module):
     @property
     def min_len_masked(self) -> slice:
         return slice(self.speech_token_size, self.speech_token_size + 1)
+
+    def finish_tokens(self, tokens: list[int]) -> list[int]:
+        """A decoded row's tokens as the flow gets them (CosyVoice3 drops long silences here)."""
+        return tokens
 
     # -- decoding -------------------------------------------------------------------------------
     def forward_full(self, embeds: Tensor) -> Tensor:

@@ -1,9 +1,10 @@
-"""Load an official CosyVoice2 model directory (as users download it) into our modules.
+"""Load an official CosyVoice model folder (as users download it) into our modules.
 
-The directory holds ``cosyvoice2.yaml`` (hyperparameters, read as data by :mod:`.yamlconf`),
-``flow.pt`` and ``hift.pt`` (state dicts, loaded with ``weights_only=True`` and strict key checks),
-``llm.pt``, ``campplus.onnx``, ``speech_tokenizer_v2.onnx``, ``CosyVoice-BlankEN/`` and optionally
-``spk2info.pt``.
+A folder holds its yaml (``cosyvoice.yaml``, ``cosyvoice2.yaml`` or ``cosyvoice3.yaml``:
+hyperparameters, read as data by :mod:`.yamlconf`; which one it is says which family, see
+:mod:`.family`), ``llm.pt``, ``flow.pt`` and ``hift.pt`` (state dicts, loaded with
+``weights_only=True`` and strict key checks), ``campplus.onnx``, the family's speech tokenizer, for
+v2 and v3 ``CosyVoice-BlankEN/``, and optionally ``spk2info.pt``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .flow import CausalMaskedDiffWithXvec, build_flow
+from .family import Family, UnknownModel, check_classes, yaml_of
+from .features import MelSettings
 from .hift import HiFT, load_hift_state
 from .yamlconf import Call, expect, load_yaml
 
-CONFIG_NAMES = ("cosyvoice2.yaml",)
 REQUIRED_FILES = ("flow.pt", "hift.pt")
 
 
@@ -28,46 +29,50 @@ class ModelDirError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """What cosybatch reads from ``cosyvoice2.yaml``."""
+    """What cosybatch reads from the model folder's yaml."""
 
     path: Path
+    family: Family
     sample_rate: int
     token_frame_rate: int
-    token_mel_ratio: int
+    token_mel_ratio: int | None  # mel frames per speech token; None for v1 (its flow interpolates)
+    mel: MelSettings
     flow: Call
     hift: Call
     llm: Call | None
     raw: dict[str, Any]
 
     @property
-    def samples_per_token(self) -> int:
-        return self.sample_rate // self.token_frame_rate
+    def yaml_path(self) -> Path:
+        return self.path / self.family.yaml
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Waveform samples per mel frame (the vocoder's hop)."""
+        return self.mel.hop
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelDirError(f"{model_dir}: not a directory; pass the downloaded CosyVoice2-0.5B folder")
-    for name in CONFIG_NAMES:
-        path = model_dir / name
-        if path.is_file():
-            break
-    else:
-        others = sorted(p.name for p in model_dir.glob("*.yaml"))
-        hint = f" (found {', '.join(others)}; only CosyVoice2 is supported)" if others else ""
-        raise ModelDirError(f"{model_dir}: no cosyvoice2.yaml{hint}")
     try:
-        raw = load_yaml(path, overrides={"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")})
-        flow = expect(raw.get("flow"), "CausalMaskedDiffWithXvec", where=f"{path.name}: flow")
-        hift = expect(raw.get("hift"), "HiFTGenerator", where=f"{path.name}: hift")
-    except ValueError as exc:
+        family, path = yaml_of(model_dir)
+        qwen = family.text_tokenizer == "qwen"
+        raw = load_yaml(path, overrides={"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")} if qwen else {})
+        check_classes(family, raw, path.name)
+        flow = expect(raw.get("flow"), family.flow, where=f"{path.name}: flow")
+        hift = expect(raw.get("hift"), family.hift, where=f"{path.name}: hift")
+        sample_rate = int(raw.get("sample_rate", 24000))
+        mel = MelSettings.from_yaml(raw, sample_rate)
+    except (UnknownModel, ValueError) as exc:
         raise ModelDirError(str(exc)) from None
     llm = raw.get("llm") if isinstance(raw.get("llm"), Call) else None
     return ModelConfig(
         path=model_dir,
-        sample_rate=int(raw.get("sample_rate", 24000)),
-        token_frame_rate=int(raw.get("token_frame_rate", 25)),
-        token_mel_ratio=int(raw.get("token_mel_ratio", 2)),
+        family=family,
+        sample_rate=sample_rate,
+        token_frame_rate=int(raw.get("token_frame_rate", family.token_rate)),
+        token_mel_ratio=None if family.version == 1 else int(raw.get("token_mel_ratio", 2)),
+        mel=mel,
         flow=flow,
         hift=hift,
         llm=llm,
@@ -98,36 +103,87 @@ def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], path: P
         for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
             if keys:
                 parts.append(f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}")
-        raise ModelDirError(f"{path}: does not match cosyvoice2.yaml ({'; '.join(parts)})")
+        raise ModelDirError(f"{path}: does not match the folder's yaml ({'; '.join(parts)})")
     module.load_state_dict(state, strict=True)
 
 
-def build_hift(config: ModelConfig) -> HiFT:
+def build_hift(config: ModelConfig) -> torch.nn.Module:
     params = dict(config.hift.kwargs)
-    f0 = params.get("f0_predictor")
-    if isinstance(f0, Call):
-        params["f0_predictor"] = expect(f0, "ConvRNNF0Predictor", where="hift.f0_predictor").kwargs
     try:
+        if config.family.version == 3:
+            from .hift_v3 import build_hift_v3
+
+            return build_hift_v3(config.hift)
+        f0 = params.get("f0_predictor")
+        if isinstance(f0, Call):
+            params["f0_predictor"] = expect(f0, "ConvRNNF0Predictor", where="hift.f0_predictor").kwargs
         return HiFT(**params)
     except (TypeError, ValueError) as exc:
-        raise ModelDirError(f"{config.path / 'cosyvoice2.yaml'}: hift: {exc}") from None
+        raise ModelDirError(f"{config.yaml_path}: hift: {exc}") from None
 
 
-def load_flow(config: ModelConfig, device: torch.device | str = "cpu") -> CausalMaskedDiffWithXvec:
+def build_flow_module(config: ModelConfig) -> torch.nn.Module:
+    """The family's flow, built from the yaml's ``flow`` node (random weights)."""
     try:
-        flow = build_flow(config.flow)
-    except ValueError as exc:
-        raise ModelDirError(f"{config.path / 'cosyvoice2.yaml'}: {exc}") from None
+        if config.family.version == 1:
+            from .flow_v1 import build_flow_v1
+
+            return build_flow_v1(config.flow)
+        if config.family.version == 3:
+            from .flow_v3 import build_flow_v3
+
+            return build_flow_v3(config.flow)
+        from .flow import build_flow
+
+        return build_flow(config.flow)
+    except (TypeError, ValueError) as exc:
+        raise ModelDirError(f"{config.yaml_path}: flow: {exc}") from None
+
+
+def load_flow(config: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
+    flow = build_flow_module(config)
     path = config.path / "flow.pt"
     load_strict(flow, load_state(path), path)
     return flow.to(device).eval()
 
 
-def load_hift(config: ModelConfig, device: torch.device | str = "cpu") -> HiFT:
+def load_hift(config: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
     hift = build_hift(config)
     path = config.path / "hift.pt"
     try:
-        load_hift_state(hift, load_state(path))
+        if isinstance(hift, HiFT):
+            load_hift_state(hift, load_state(path))
+        else:
+            hift.load_checkpoint(load_state(path), path)
     except ValueError as exc:
         raise ModelDirError(f"{path}: {exc}") from None
     return hift.to(device).eval()
+
+
+def load_lm(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """The family's speech-token LM (a :class:`~.llm.DecoderLM`), weights loaded strictly and
+    converted once to ``dtype``."""
+    version = config.family.version
+    if version == 1:
+        from .llm_v1 import load_llm_v1
+
+        return load_llm_v1(config.path, device, dtype)
+    if version == 3:
+        from .llm_v3 import load_llm_v3
+
+        return load_llm_v3(config.path, device, dtype)
+    from .llm import load_llm
+
+    return load_llm(config.path, device, dtype)
+
+
+def load_text_tokenizer(config: ModelConfig):
+    """The family's text tokenizer: openai-whisper's multilingual BPE for CosyVoice-300M (its folder
+    ships none), ``CosyVoice-BlankEN/`` (Qwen2) for CosyVoice2 and 3."""
+    if config.family.text_tokenizer == "whisper":
+        from .text_v1 import WhisperTextTokenizer
+
+        return WhisperTextTokenizer()
+    from .text import QwenTextTokenizer
+
+    return QwenTextTokenizer(config.path / "CosyVoice-BlankEN")

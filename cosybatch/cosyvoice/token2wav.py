@@ -46,7 +46,7 @@ class Token2Wav:
             self.flow.to(dtype=PRECISIONS[precision])
         self.hift = load_hift(self.config, self.device)
         self.sample_rate = self.config.sample_rate
-        self.samples_per_frame = self.config.samples_per_token // self.flow.token_mel_ratio
+        self.samples_per_frame = self.config.samples_per_frame
 
     @torch.inference_mode()
     def mels(self, items: Sequence[FlowInput]) -> list[torch.Tensor]:

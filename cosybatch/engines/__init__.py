@@ -43,6 +43,7 @@ class Prepared:
     payloads: tuple[object, ...]
     text: str  # the text actually spoken, after the engine's own normalisation
     voice: Optional[str] = None  # the row's voice for the manifest, when it is not the engine's voice_name
+    instruct: Optional[str] = None  # the instruction the row is spoken with (the row's or the job's default)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class VoiceRequest:
     prompt_wav: Optional[str] = None  # zero-shot prompt audio
     prompt_text: Optional[str] = None
     from_row: bool = False  # named by the corpus (paths then resolve against the corpus folder)
+    instruct: Optional[str] = None  # the row's instruction (engines with ``instruct``)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,9 @@ class Engine:
     different voices share batches). False: the job opens one instance per voice name."""
     zero_shot: ClassVar[bool] = False
     """True: rows may carry prompt_wav / prompt_text (voice cloning)."""
+    takes_instruct: ClassVar[bool] = False
+    """True: rows may carry an ``instruct`` text (a natural-language instruction); the engine's
+    ``prepare`` checks whether its model can follow one and rejects the row with the reason if not."""
     needs_torch_allocator: ClassVar[bool] = False
     """True: on a GPU, torch's cudaMallocAsync allocator is configured before the engine's module
     imports torch (it cannot change once torch has started)."""

@@ -1,10 +1,13 @@
-"""The CosyVoice2 engine: text -> segments -> speech tokens (LM) -> mel (flow) -> waveform (HiFT).
+"""The CosyVoice engine: text -> segments -> speech tokens (LM) -> mel (flow) -> waveform (HiFT).
+
+The model folder says which CosyVoice it is (CosyVoice-300M, CosyVoice2-0.5B, Fun-CosyVoice3-0.5B;
+see :mod:`cosybatch.cosyvoice.family`); every family decodes in the same slot pool.
 
 One instance serves every voice (``multi_voice``): SFT speakers of ``spk2info.pt`` and zero-shot
 prompts, given once for the job (``--speaker``, ``--prompt-wav``/``--prompt-text``) or per row
-(``speaker``/``voice``, ``prompt_wav``, ``prompt_text`` columns). Prompt features are computed once
-per distinct prompt by the voice bank. A batch may mix voices: every stage takes each item's own
-embedding and prompt.
+(``speaker``/``voice``, ``prompt_wav``, ``prompt_text`` columns), and instructions (``--instruct``,
+an ``instruct`` column). Prompt features are computed once per distinct prompt by the voice bank.
+A batch may mix voices: every stage takes each item's own embedding and prompt.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ HEADROOM_BYTES = 2 << 30
 ORT_GPU_BYTES = 1 << 30
 # Upstream splits text into segments of about 80 text tokens (packing sentences, 60 minimum).
 MAX_SEGMENT_TOKENS = 80
-# Speech tokens per text token, to estimate a segment's cost for bucketing (English, measured on
-# upstream's demo outputs: about 6 to 8; the LM bounds it to 2..20).
+# Speech tokens per text token at 25 Hz, to estimate a segment's cost for bucketing (English,
+# measured on upstream's demo outputs: about 6 to 8; the LM bounds it to 2..20). Scaled by the
+# family's token rate (CosyVoice-300M: 50 Hz).
 TOKENS_PER_TEXT_TOKEN = 7
 # Stage defaults per device (see the README's CosyVoice throughput section for the measurements):
 # decode slots of the LM, segments per planner batch (the pool's queue), items per flow and per
@@ -41,19 +45,22 @@ STAGE_DEFAULTS = {
 # L * (1 + L / FLOW_QUADRATIC_FRAMES). Convolutions and linear layers grow with L, the estimator's
 # self-attention with L^2; this is the length at which the two cost the same.
 FLOW_QUADRATIC_FRAMES = 2048
-# The longest prompt a decode slot is sized for up front (speech tokens of a 30 s prompt, its text,
-# the segment, control ids); longer ones grow the pool.
-PROMPT_TOKENS_RESERVED = 30 * 25 + 200
+# The longest prompt a decode slot is sized for up front: speech tokens of a 30 s prompt (times the
+# token rate), plus this many for its text, the segment and control ids; longer ones grow the pool.
+PROMPT_SECONDS_RESERVED = 30
+PROMPT_TEXT_RESERVED = 200
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One piece of a row for the LM: its text tokens, its voice, its seed."""
+    """One piece of a row for the LM: its text tokens, its voice, what of the voice the LM sees, its seed."""
 
     text_tokens: tuple[int, ...]
     voice: object  # cosyvoice.features.Voice
-    prompt_text_tokens: tuple[int, ...]
+    prompt_text_tokens: tuple[int, ...]  # the LM's prompt text: a zero-shot transcript or an instruction
     seed: int
+    lm_speech: bool = False  # the LM reads the voice's prompt speech tokens (zero-shot)
+    lm_embedding: bool = True  # the LM reads the speaker embedding (CosyVoice-300M, not in instruct mode)
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,9 @@ class CosyVoiceOptions:
     """What prompt_wav says (without it the prompt only sets the voice, as upstream's cross-lingual mode)."""
     prompt_dir: Optional[Path] = None
     """A folder (besides the corpus file's own) that rows' prompt_wav paths may point into."""
+    instruct: Optional[str] = None
+    """Default instruction (emotion, speed, dialect, style) for rows without an instruct value:
+    CosyVoice2 and 3 with any voice, CosyVoice-300M-Instruct with a built-in speaker."""
     precision: str = "fp32"
     """fp32, or bf16/fp16: the LM's and the flow's weights converted once at load (the vocoder stays fp32)."""
     max_segment_tokens: int = MAX_SEGMENT_TOKENS
@@ -87,7 +97,7 @@ class CosyVoiceOptions:
 
     def __post_init__(self) -> None:
         if self.model is None:
-            raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice2-0.5B folder as downloaded)")
+            raise UsageError("--engine cosyvoice needs --model DIR (the CosyVoice model folder as downloaded)")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
         if self.flow_backend not in ("torch", "onnx", "tensorrt"):
@@ -102,6 +112,7 @@ class CosyVoiceEngine(Engine):
     Options = CosyVoiceOptions
     multi_voice = True
     zero_shot = True
+    takes_instruct = True  # the model decides: prepare() rejects rows its model cannot follow
     needs_torch_allocator = True
     voice_column_fallback = "speaker"  # its voices are SFT speakers
 
@@ -110,16 +121,16 @@ class CosyVoiceEngine(Engine):
         opts: CosyVoiceOptions = options.engine
         if opts.flow_backend == "tensorrt":
             check_flow_backend(opts.flow_backend, "cuda")
-        return check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text)
+        return check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text, opts.instruct)
 
     def __init__(self, voice: Optional[str], options: EngineOptions):
         import torch
 
         from ..cosyvoice.features import PromptError, VoiceBank
         from ..cosyvoice.flow_onnx import FlowBackendError
-        from ..cosyvoice.llm import Sampling, load_llm
-        from ..cosyvoice.model import ModelDirError, read_config
-        from ..cosyvoice.text import QwenTextTokenizer, normalize
+        from ..cosyvoice.llm import Sampling
+        from ..cosyvoice.model import ModelDirError, load_lm, load_text_tokenizer, read_config
+        from ..cosyvoice.text import normalize
         from ..cosyvoice.token2wav import PRECISIONS, Token2Wav
 
         opts: CosyVoiceOptions = options.engine
@@ -154,9 +165,11 @@ class CosyVoiceEngine(Engine):
         self.precision = precision
         try:
             config = read_config(self.model_dir)
+            self.family = config.family
+            self.config = config
             self.sampling = Sampling.from_yaml(config.llm)
-            self.tokenizer = QwenTextTokenizer(self.model_dir / "CosyVoice-BlankEN")
-            self.lm = load_llm(self.model_dir, self.device, PRECISIONS[precision] or torch.float32)
+            self.tokenizer = load_text_tokenizer(config)
+            self.lm = load_lm(config, self.device, PRECISIONS[precision] or torch.float32)
             self.t2w = Token2Wav(config, self.device, precision, flow_backend=opts.flow_backend)
         except FlowBackendError as exc:
             raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: {exc}") from None
@@ -169,8 +182,13 @@ class CosyVoiceEngine(Engine):
             # The speech tokenizer runs on onnxruntime's CUDA provider, outside torch's pool: it gets
             # a capped arena inside the headroom the pool leaves free.
             providers = [("CUDAExecutionProvider", gpu.ort_cuda_options(ORT_GPU_BYTES)), "CPUExecutionProvider"]
-        self.voices = VoiceBank(self.model_dir, providers=providers, sample_rate=self.t2w.sample_rate)
-        self._prompt_tokens: dict[str, tuple[int, ...]] = {}
+        self.voices = VoiceBank(self.model_dir, providers=providers, mel=config.mel,
+                                speech_tokenizer=self.family.speech_tokenizer, mel_per_token=config.token_mel_ratio)
+        self._prompt_tokens: dict[tuple[str, Optional[str]], tuple[int, ...]] = {}
+        self.default_instruct = opts.instruct
+        from ..cosyvoice.family import variant
+
+        self.variant = variant(self.model_dir, self.family)
         self.sample_rate = self.t2w.sample_rate
         self.seed = options.seed
         self._PromptError = PromptError
@@ -190,6 +208,10 @@ class CosyVoiceEngine(Engine):
                 self.voice_name = "per-row"
         except PromptError as exc:
             raise UsageError(str(exc)) from None
+        if self.default_instruct is not None and self.default_voice is not None:
+            reason = self._instruct_refusal(self.default_voice)
+            if reason:
+                raise UsageError(f"--instruct: {reason}")
         self._files = {n: file_fingerprint(self.model_dir / n) for n in ("llm.pt", "flow.pt", "hift.pt")}
         self.pool_info: Optional[dict] = None
         self.probed_budget: Optional[int] = None
@@ -223,12 +245,13 @@ class CosyVoiceEngine(Engine):
 
         torch = self._torch
         rows, text_len = 2, self.max_segment_tokens
-        tokens = TOKENS_PER_TEXT_TOKEN * text_len
+        tokens = self._tokens_per_text_token() * text_len
         units = rows * tokens
         embedding = torch.zeros(192)
-        requests = [LMRequest(text=list(range(100, 100 + text_len)), seed=i, min_tokens=8, max_tokens=8)
+        requests = [LMRequest(text=list(range(100, 100 + text_len)), seed=i, min_tokens=8, max_tokens=8,
+                              embedding=embedding)
                     for i in range(rows)]
-        items = [FlowInput(torch.arange(tokens) % 6561, embedding) for _ in range(rows)]
+        items = [FlowInput(torch.arange(tokens) % self.lm.speech_token_size, embedding) for _ in range(rows)]
         mels = self.t2w.mels(items)
         return {
             "lm": gpu.probe_stage(lambda: self.lm.generate(requests, self.sampling, slots=self.lm_slots,
@@ -243,10 +266,20 @@ class CosyVoiceEngine(Engine):
         return 2 * self.max_segment_tokens
 
     def _slot_capacity(self) -> int:
-        return PROMPT_TOKENS_RESERVED + 21 * self._longest_segment() + 1
+        prompt = PROMPT_SECONDS_RESERVED * self.family.token_rate + PROMPT_TEXT_RESERVED
+        return prompt + 21 * self._longest_segment() + 1
+
+    def _tokens_per_text_token(self) -> int:
+        return TOKENS_PER_TEXT_TOKEN * self.family.token_rate // 25
+
+    def _mel_frames(self, tokens: int) -> int:
+        """Mel frames the flow makes of ``tokens`` speech tokens."""
+        return int(tokens / self.family.token_rate * self.sample_rate / self.config.mel.hop)
 
     def describe(self) -> dict:
         return {
+            # Only for the newer families, so fingerprints of earlier CosyVoice2 runs stay valid.
+            **({"family": self.variant} if self.family.version != 2 else {}),
             "model": self.model_dir.name,
             "model_files": self._files,
             "sample_rate": self.sample_rate,
@@ -264,7 +297,7 @@ class CosyVoiceEngine(Engine):
     def batch_defaults(self) -> tuple[int, int]:
         """(segments per planner batch, padded cost per segment): a planner batch is the queue of
         the LM's slot pool, a few times the slots so they stay full while rows finish."""
-        return self.window, TOKENS_PER_TEXT_TOKEN * MAX_SEGMENT_TOKENS
+        return self.window, self._tokens_per_text_token() * MAX_SEGMENT_TOKENS
 
     # -- voices -------------------------------------------------------------------------------
     def _voice(self, request: Optional[VoiceRequest]):
@@ -293,12 +326,39 @@ class CosyVoiceEngine(Engine):
                               "there (pass --prompt-dir DIR to allow another folder)")
         return path
 
-    def _prompt_text_tokens(self, voice) -> tuple[int, ...]:
-        cached = self._prompt_tokens.get(voice.key)
-        if cached is None:
-            # Normalised like the text it precedes, as upstream does for zero-shot prompts.
-            cached = tuple(self.tokenizer.encode(self._normalize(voice.prompt_text))) if voice.prompt_text else ()
-            self._prompt_tokens[voice.key] = cached
+    def _instruct_refusal(self, voice) -> Optional[str]:
+        """Why this model cannot speak ``voice`` with an instruction (None: it can)."""
+        if self.family.instruct == "prompt":
+            return None  # CosyVoice2 and 3: an instruction beside any voice (upstream's instruct2)
+        if "Instruct" not in self.variant:
+            return (f"this {self.variant} folder ({self.model_dir.name}) cannot follow instructions; use the "
+                    "CosyVoice-300M-Instruct folder, CosyVoice2 or CosyVoice3, or drop the instruction")
+        if voice.prompt_tokens is not None:
+            return ("CosyVoice-300M-Instruct follows instructions with a built-in speaker (--speaker or a "
+                    "speaker column), not with prompt audio")
+        return None
+
+    def _lm_prompt_text(self, voice, instruct: Optional[str]) -> tuple[int, ...]:
+        """The LM's prompt text for a voice and instruction, as upstream's frontends build it:
+        zero-shot: the prompt's transcript (CosyVoice3: after its system prompt); instruct: the
+        instruction, ended by <|endofprompt|>. Text holding a <|...|> tag is not normalised (upstream's rule)."""
+        from ..cosyvoice.family import ENDOFPROMPT
+
+        key = (voice.key, instruct)
+        cached = self._prompt_tokens.get(key)
+        if cached is not None:
+            return cached
+        system = self.family.system_prompt
+        if instruct is not None:
+            text = instruct if instruct.rstrip().endswith(ENDOFPROMPT) else instruct.rstrip() + ENDOFPROMPT
+            text = f"{system} {text}" if system else text
+        elif voice.prompt_text:
+            text = f"{system}{ENDOFPROMPT}{voice.prompt_text}" if system else voice.prompt_text
+        else:
+            text = f"{system}{ENDOFPROMPT}" if system else ""
+        if text and not ("<|" in text and "|>" in text):
+            text = self._normalize(text)
+        cached = self._prompt_tokens[key] = tuple(self.tokenizer.encode(text)) if text else ()
         return cached
 
     # -- text ---------------------------------------------------------------------------------
@@ -306,19 +366,29 @@ class CosyVoiceEngine(Engine):
         from ..cosyvoice.text import frontend_segments
 
         chosen = self._voice(voice)
+        instruct = voice.instruct if voice is not None and voice.instruct is not None else self.default_instruct
+        if instruct is not None:
+            reason = self._instruct_refusal(chosen)
+            if reason:
+                raise RowRejected(f"instruct: {reason}")
         try:
             segments = frontend_segments(text, self.tokenizer, max_tokens=self.max_segment_tokens)
         except ValueError as exc:
             raise RowRejected(str(exc)) from None
-        prompt_tokens = self._prompt_text_tokens(chosen)
-        # A prompt's speech tokens ride along in the LM and the flow, so they count in the cost.
+        prompt_text = self._lm_prompt_text(chosen, instruct)
+        # The LM reads the prompt's speech tokens in zero-shot mode only: a prompt given without its
+        # transcript is upstream's cross-lingual mode, and instruct mode replaces the transcript.
+        lm_speech = chosen.prompt_tokens is not None and bool(chosen.prompt_text) and instruct is None
+        # A prompt's speech tokens ride along in the flow (and in the LM when it reads them).
         prompt_cost = 0 if chosen.prompt_tokens is None else len(chosen.prompt_tokens)
+        per_token = self._tokens_per_text_token()
         costs, payloads = [], []
         for part, (_, tokens) in enumerate(segments):
-            payloads.append(Segment(tuple(tokens), chosen, prompt_tokens, item_seed(self.seed, item_id, part)))
-            costs.append(max(1, TOKENS_PER_TEXT_TOKEN * len(tokens) + prompt_cost))
+            payloads.append(Segment(tuple(tokens), chosen, prompt_text, item_seed(self.seed, item_id, part),
+                                    lm_speech=lm_speech, lm_embedding=instruct is None))
+            costs.append(max(1, per_token * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
-        return Prepared(tuple(costs), tuple(payloads), spoken, voice=chosen.key)
+        return Prepared(tuple(costs), tuple(payloads), spoken, voice=chosen.key, instruct=instruct)
 
     # -- audio --------------------------------------------------------------------------------
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:
@@ -330,28 +400,29 @@ class CosyVoiceEngine(Engine):
 
         torch = self._torch
         segs: list[Segment] = [u.payload for u in units]
-        requests = []
-        for s in segs:
-            zero_shot = bool(s.prompt_text_tokens)  # a prompt without its text only shapes the flow
-            requests.append(LMRequest(
+        requests = [
+            LMRequest(
                 text=s.text_tokens,
                 prompt_text=s.prompt_text_tokens,
-                prompt_speech=s.voice.prompt_tokens.tolist() if zero_shot and s.voice.prompt_tokens is not None else (),
+                prompt_speech=s.voice.prompt_tokens.tolist() if s.lm_speech else (),
                 seed=s.seed,
-            ))
+                embedding=s.voice.embedding if s.lm_embedding else None,
+            )
+            for s in segs
+        ]
         tokens, lm_stats = self.lm.decode(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
+        tokens = [self.lm.finish_tokens(t) for t in tokens]
         items = [
             FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
             for s, t in zip(segs, tokens, strict=True)
         ]
-        ratio = self.t2w.flow.token_mel_ratio
         # Mel frames each item's flow computes: its prompt's and its own.
-        frames = {i: ratio * (len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
+        frames = {i: self._mel_frames(len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
                   for i, (s, t) in enumerate(zip(segs, tokens, strict=True)) if t}
         audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
         mels: dict[int, object] = {}
         by_frames = sorted(frames, key=lambda i: -frames[i])
-        budget = self.flow_batch * flow_cost(2 * TOKENS_PER_TEXT_TOKEN * self.max_segment_tokens)
+        budget = self.flow_batch * flow_cost(self._mel_frames(self._tokens_per_text_token() * self.max_segment_tokens))
         for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
             for i, mel in zip(chunk, split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c])),
                               strict=True):
@@ -411,23 +482,27 @@ def stage_batches(order: list[int], cost: dict[int, float], max_items: int,
     return chunks
 
 
-MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
-               "CosyVoice-BlankEN/config.json")
-
-
-def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path], prompt_text: Optional[str]) -> dict:
-    """What ``run --check`` verifies without loading weights: the model folder's files and yaml,
-    the default speaker, the default prompt audio."""
+def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path], prompt_text: Optional[str],
+                instruct: Optional[str] = None) -> dict:
+    """What ``run --check`` verifies without loading weights: which CosyVoice the folder holds, its
+    files and yaml, the default speaker, the default prompt audio."""
+    from ..cosyvoice.family import variant
     from ..cosyvoice.features import PromptError, VoiceBank, load_audio
     from ..cosyvoice.model import ModelDirError, read_config
 
     try:
-        read_config(model)
+        config = read_config(model)
     except ModelDirError as exc:
         raise UsageError(f"--model {model}: {exc}") from None
-    missing = [name for name in MODEL_FILES if not (Path(model) / name).is_file()]
+    family = config.family
+    missing = [name for name in family.files if not (Path(model) / name).is_file()]
     if missing:
-        raise UsageError(f"--model {model}: missing {', '.join(missing)}; is this the CosyVoice2-0.5B folder?")
+        raise UsageError(f"--model {model}: missing {', '.join(missing)}; {family.yaml} says this is a "
+                         f"{family.name} folder, which holds them")
+    kind = variant(Path(model), family)
+    if instruct is not None and family.instruct == "speaker" and "Instruct" not in kind:
+        raise UsageError(f"--instruct: this {kind} folder cannot follow instructions; use CosyVoice-300M-Instruct, "
+                         "CosyVoice2 or CosyVoice3")
     bank = VoiceBank(model)  # reads spk2info.pt only; its ONNX sessions open on first use
     if speaker is not None:
         try:
@@ -441,4 +516,5 @@ def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path],
         except PromptError as exc:
             raise UsageError(str(exc)) from None
         prompt = {"path": str(prompt_wav), "seconds": round(len(audio) / rate, 3), "text": prompt_text}
-    return {"model": str(model), "speakers": bank.speakers, "speaker": speaker, "prompt": prompt}
+    return {"model": str(model), "family": kind, "version": family.version, "sample_rate": config.sample_rate,
+            "speakers": bank.speakers, "speaker": speaker, "prompt": prompt, "instruct": instruct}

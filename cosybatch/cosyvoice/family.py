@@ -1,0 +1,102 @@
+"""Which CosyVoice a model folder holds, read from the folder itself.
+
+Users pick a model by the folder they downloaded; nothing asks them to say which it is. A folder
+is recognised by its yaml (``cosyvoice.yaml``, ``cosyvoice2.yaml`` or ``cosyvoice3.yaml``) and,
+inside it, the classes it builds: the LM, the flow and the vocoder must be those of one family.
+Anything else is refused with what was found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .yamlconf import Call
+
+
+@dataclass(frozen=True)
+class Family:
+    """One CosyVoice release: its yaml, the classes that yaml builds, and what its folder holds."""
+
+    version: int
+    name: str  # as the official download is named
+    yaml: str
+    llm: str  # the classes the yaml's llm, flow and hift nodes build
+    flow: str
+    hift: str
+    speech_tokenizer: str
+    text_tokenizer: str  # "whisper" (openai-whisper's multilingual BPE) or "qwen" (CosyVoice-BlankEN/)
+    token_rate: int  # speech tokens per second
+    instruct: str  # how it takes instructions: "speaker" (300M-Instruct), "prompt" (v2, v3)
+    # Text every v3 prompt opens with: upstream's LM refuses a prompt without <|endofprompt|>.
+    system_prompt: str = ""
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """What ``run --check`` expects besides the yaml (spk2info.pt is optional everywhere)."""
+        common = ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", self.speech_tokenizer)
+        return common + (("CosyVoice-BlankEN/config.json",) if self.text_tokenizer == "qwen" else ())
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.name, "version": self.version}
+
+
+V1 = Family(1, "CosyVoice-300M", "cosyvoice.yaml", "TransformerLM", "MaskedDiffWithXvec", "HiFTGenerator",
+            "speech_tokenizer_v1.onnx", "whisper", 50, "speaker")
+V2 = Family(2, "CosyVoice2-0.5B", "cosyvoice2.yaml", "Qwen2LM", "CausalMaskedDiffWithXvec", "HiFTGenerator",
+            "speech_tokenizer_v2.onnx", "qwen", 25, "prompt")
+V3 = Family(3, "Fun-CosyVoice3-0.5B", "cosyvoice3.yaml", "CosyVoice3LM", "CausalMaskedDiffWithDiT",
+            "CausalHiFTGenerator", "speech_tokenizer_v3.onnx", "qwen", 25, "prompt",
+            system_prompt="You are a helpful assistant.")
+FAMILIES = (V1, V2, V3)
+ENDOFPROMPT = "<|endofprompt|>"
+
+
+class UnknownModel(ValueError):
+    """The folder is not a CosyVoice model folder cosybatch can load; the message says what it holds."""
+
+
+def yaml_of(model_dir: Path) -> tuple[Family, Path]:
+    """The family whose yaml the folder holds (by file name alone)."""
+    if not model_dir.is_dir():
+        raise UnknownModel(f"{model_dir}: not a directory; pass the model folder as downloaded")
+    present = [f for f in FAMILIES if (model_dir / f.yaml).is_file()]
+    if len(present) > 1:
+        raise UnknownModel(f"{model_dir}: holds {' and '.join(f.yaml for f in present)}; a model folder holds one")
+    if not present:
+        found = sorted(p.name for p in model_dir.iterdir())[:12]
+        expected = ", ".join(f.yaml for f in FAMILIES)
+        raise UnknownModel(f"{model_dir}: no CosyVoice yaml ({expected}); found: {', '.join(found) or 'nothing'}")
+    return present[0], model_dir / present[0].yaml
+
+
+def check_classes(family: Family, raw: dict[str, Any], where: str) -> None:
+    """The yaml's llm, flow and hift nodes must build ``family``'s classes; else say what they build
+    and which family that looks like."""
+    found = {part: (node.name if isinstance(node := raw.get(part), Call) else None) for part in ("llm", "flow", "hift")}
+    wanted = {"llm": family.llm, "flow": family.flow, "hift": family.hift}
+    if found == wanted:
+        return
+    wrong = ", ".join(f"{part} builds {found[part] or 'nothing'} (expected {wanted[part]})"
+                      for part in wanted if found[part] != wanted[part])
+    like = next((f.name for f in FAMILIES if found == {"llm": f.llm, "flow": f.flow, "hift": f.hift}), None)
+    hint = f"; those are {like}'s classes, whose folder names its yaml {_yaml_name(like)}" if like else ""
+    raise UnknownModel(f"{where}: not a {family.name} model: {wrong}{hint}")
+
+
+def _yaml_name(name: str) -> str:
+    return next(f.yaml for f in FAMILIES if f.name == name)
+
+
+VARIANTS = (("instruct", "Instruct"), ("sft", "SFT"), ("25hz", "25Hz"))
+
+
+def variant(model_dir: Path, family: Family) -> str:
+    """The release variant the folder's name says (CosyVoice-300M-SFT, -Instruct, -25Hz). Their yaml
+    is the same, so this is for reports and for whether a v1 folder takes instructions."""
+    name = model_dir.resolve().name.lower()
+    for marker, label in VARIANTS:
+        if marker in name:
+            return f"{family.name}-{label}"
+    return family.name
