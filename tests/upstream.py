@@ -106,3 +106,104 @@ def flow_inference(flow, item, device="cpu"):
         finalize=True,
     )
     return mel[0]
+
+
+def load_v1() -> types.SimpleNamespace:
+    """Upstream's CosyVoice-300M flow classes (and the shared HiFT ones), stubbed as :func:`load` does."""
+    base = load()
+    try:
+        from cosyvoice.flow.decoder import ConditionalDecoder
+        from cosyvoice.flow.flow import MaskedDiffWithXvec
+        from cosyvoice.flow.flow_matching import ConditionalCFM
+        from cosyvoice.flow.length_regulator import InterpolateRegulator
+        from cosyvoice.transformer.encoder import ConformerEncoder
+    except ImportError as exc:  # pragma: no cover - a set-up error, reported as such
+        raise RuntimeError(f"the upstream CosyVoice oracle is not installed ({exc}); run: {INSTALL_HINT}") from exc
+    return types.SimpleNamespace(
+        **vars(base),
+        MaskedDiffWithXvec=MaskedDiffWithXvec,
+        ConditionalCFM=ConditionalCFM,
+        ConditionalDecoder=ConditionalDecoder,
+        InterpolateRegulator=InterpolateRegulator,
+        ConformerEncoder=ConformerEncoder,
+    )
+
+
+def flow_v1_model(flow_node):
+    """Upstream's ``MaskedDiffWithXvec`` built from a parsed cosyvoice.yaml ``flow`` node (random weights)."""
+    from omegaconf import DictConfig
+
+    u = load_v1()
+    fk = flow_node.kwargs
+    cfm = fk["decoder"]
+    decoder = u.ConditionalCFM(
+        in_channels=cfm.kwargs["in_channels"],
+        n_spks=cfm.kwargs["n_spks"],
+        spk_emb_dim=cfm.kwargs["spk_emb_dim"],
+        cfm_params=DictConfig(cfm.kwargs["cfm_params"].kwargs["content"]),
+        estimator=u.ConditionalDecoder(**cfm.kwargs["estimator"].kwargs),
+    )
+    rest = {k: v for k, v in fk.items() if k not in ("encoder", "decoder", "length_regulator")}
+    return u.MaskedDiffWithXvec(
+        encoder=u.ConformerEncoder(**fk["encoder"].kwargs),
+        length_regulator=u.InterpolateRegulator(**fk["length_regulator"].kwargs),
+        decoder=decoder,
+        **rest,
+    ).eval()
+
+
+def flow_v1_inference(flow, item, seed: int):
+    """Upstream v1's single-item flow call for one :class:`FlowInput`, its noise drawn after
+    ``torch.manual_seed(seed)`` -> (80, frames)."""
+    import torch
+
+    p = 0 if item.prompt_tokens is None else len(item.prompt_tokens)
+    prompt_tokens = item.prompt_tokens if p else torch.zeros(0, dtype=torch.long)
+    prompt_mel = item.prompt_mel if p else torch.zeros(0, 80)
+    torch.manual_seed(seed)
+    mel, _ = flow.inference(
+        token=item.tokens[None],
+        token_len=torch.tensor([len(item.tokens)]),
+        prompt_token=prompt_tokens[None],
+        prompt_token_len=torch.tensor([p]),
+        prompt_feat=prompt_mel[None],
+        prompt_feat_len=torch.tensor([prompt_mel.size(0)]),
+        embedding=item.embedding.reshape(1, -1),
+        flow_cache=torch.zeros(1, 80, 0, 2),
+    )
+    return mel[0]
+
+
+def lm_v1_model(llm_node, sampling):
+    """Upstream's CosyVoice-300M ``TransformerLM`` built from a parsed cosyvoice.yaml ``llm`` node
+    (random weights), sampling with the callable ``sampling(scores, decoded, top_k)``."""
+    load()
+    try:
+        from cosyvoice.llm.llm import TransformerLM
+        from cosyvoice.transformer.encoder import ConformerEncoder, TransformerEncoder
+    except ImportError as exc:  # pragma: no cover - a set-up error, reported as such
+        raise RuntimeError(f"the upstream CosyVoice oracle is not installed ({exc}); run: {INSTALL_HINT}") from exc
+    kw = dict(llm_node.kwargs)
+    kw["text_encoder"] = ConformerEncoder(**kw["text_encoder"].kwargs)
+    kw["llm"] = TransformerEncoder(**kw["llm"].kwargs)
+    kw["sampling"] = sampling
+    return TransformerLM(**kw).eval()
+
+
+def lm_v1_inference(lm, request) -> list[int]:
+    """Upstream v1's single-item decode of one :class:`~cosybatch.cosyvoice.llm.LMRequest` (no
+    speaker embedding: the empty one upstream's instruct mode passes)."""
+    import torch
+
+    def ids(values):
+        return torch.tensor([list(values)], dtype=torch.int32).reshape(1, -1)
+
+    embedding = torch.zeros(0, 192) if request.embedding is None else torch.as_tensor(request.embedding).reshape(1, -1)
+    return list(lm.inference(
+        text=ids(request.text), text_len=torch.tensor([len(request.text)], dtype=torch.int32),
+        prompt_text=ids(request.prompt_text),
+        prompt_text_len=torch.tensor([len(request.prompt_text)], dtype=torch.int32),
+        prompt_speech_token=ids(request.prompt_speech),
+        prompt_speech_token_len=torch.tensor([len(request.prompt_speech)], dtype=torch.int32),
+        embedding=embedding,
+    ))
