@@ -57,3 +57,20 @@ def cosyvoice_dir(tmp_path_factory) -> Path:
     from cosybatch.cosyvoice.tiny import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("cosyvoice") / "CosyVoice2-tiny")
+
+
+@pytest.fixture(scope="session")
+def cosyvoice_v1_dir(tmp_path_factory) -> Path:
+    """A tiny CosyVoice-300M-SFT folder in the official layout (speakers in spk2info.pt), random weights."""
+    from cosybatch.cosyvoice.tiny_v1 import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1") / "CosyVoice-300M-SFT-tiny", variant="sft")
+
+
+@pytest.fixture(scope="session")
+def cosyvoice_v1_instruct_dir(tmp_path_factory) -> Path:
+    """A tiny CosyVoice-300M-Instruct folder (its folder name is what says it follows instructions)."""
+    from cosybatch.cosyvoice.tiny_v1 import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1i") / "CosyVoice-300M-Instruct-tiny",
+                           variant="instruct")

@@ -135,3 +135,72 @@ def test_engines_that_cannot_follow_instructions_fail_only_those_rows(tmp_path):
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
     assert [f["id"] for f in failures] == ["told"]
     assert "cannot follow an instruction" in failures[0]["reason"]
+
+
+# -- CosyVoice-300M ------------------------------------------------------------------------------
+def family_corpus(folder: Path, name: str, rows: list[dict]) -> Path:
+    return write_jsonl(folder / f"{name}.jsonl", rows)
+
+
+def run_job(model: Path, corpus: Path, out: Path, *extra: str) -> tuple[dict, dict]:
+    proc = cli("run", str(corpus), "--engine", "cosyvoice", "--model", str(model), "--out", str(out),
+               "--progress", "none", "--device", "cpu", "--no-normalize", *extra)
+    assert proc.returncode == 0, proc.stderr
+    failures = {}
+    if (out / "failures.jsonl").exists():
+        failures = {json.loads(line)["id"]: json.loads(line)["reason"]
+                    for line in (out / "failures.jsonl").read_text().splitlines()}
+    return read_output(out), failures
+
+
+def test_v1_check_reports_the_family(cosyvoice_v1_dir, cosyvoice_v1_instruct_dir):
+    report = check_setup(cosyvoice_v1_dir, "alice", None, None)
+    assert (report["family"], report["version"], report["sample_rate"]) == ("CosyVoice-300M-SFT", 1, 22050)
+    assert check_setup(cosyvoice_v1_instruct_dir, None, None, None, "Be calm.")["family"] == "CosyVoice-300M-Instruct"
+    with pytest.raises(UsageError, match="CosyVoice-300M-SFT folder cannot follow instructions"):
+        check_setup(cosyvoice_v1_dir, None, None, None, "Be calm.")
+
+
+def test_v1_sft_zero_shot_and_cross_lingual_rows(cosyvoice_v1_dir, prompt_folder, tmp_path):
+    speakers = check_setup(cosyvoice_v1_dir, None, None, None)["speakers"]
+    corpus = family_corpus(prompt_folder, "v1", [
+        {"id": "sft", "text": "Hello there.", "speaker": speakers[0]},
+        {"id": "zero-shot", "text": "Cloned from a prompt.", "prompt_wav": "prompt.wav",
+         "prompt_text": "A short prompt."},
+        {"id": "cross", "text": "Only the voice of the prompt.", "prompt_wav": "prompt.wav"},
+        {"id": "told", "text": "Not an instruct model.", "speaker": speakers[1], "instruct": "Whisper."},
+    ])
+    items, failures = run_job(cosyvoice_v1_dir, corpus, tmp_path / "out")
+    assert sorted(items) == ["cross", "sft", "zero-shot"]
+    assert list(failures) == ["told"] and "cannot follow instructions" in failures["told"]
+    for item in items.values():
+        # 22.05 kHz; one segment each, so a whole number of 256-sample mel frames.
+        assert item["sample_rate"] == 22050 and item["audio"].size > 0 and item["audio"].size % 256 == 0
+        assert item["meta"]["settings"]["family"] == "CosyVoice-300M-SFT"
+
+
+def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosyvoice_v1_instruct_dir,
+                                                                           prompt_folder, tmp_path):
+    model = cosyvoice_v1_instruct_dir
+    engine = open_engine("cosyvoice", None, EngineOptions(device="cpu", corpus_dir=prompt_folder,
+                                                          engine=CosyVoiceOptions(model=model)))
+    speaker = engine.voices.speakers[0]
+    told = engine.prepare("Hello there.", "a", VoiceRequest(speaker, None, None, True, "A calm narrator."))
+    seg = told.payloads[0]
+    # upstream's frontend_instruct: the instruction is the LM's prompt text, the LM gets no speaker
+    # embedding, the flow keeps it.
+    assert seg.prompt_text_tokens == tuple(engine.tokenizer.encode("A calm narrator." + ENDOFPROMPT))
+    assert not seg.lm_embedding and not seg.lm_speech and seg.voice.embedding.shape == (192,)
+    plain = engine.prepare("Hello there.", "a", VoiceRequest(speaker, None, None, True))
+    assert plain.payloads[0].lm_embedding and plain.payloads[0].prompt_text_tokens == ()
+
+    corpus = family_corpus(prompt_folder, "v1i", [
+        {"id": "told", "text": "Hello there.", "speaker": speaker, "instruct": "A calm narrator."},
+        {"id": "plain", "text": "Hello there.", "speaker": speaker},
+        {"id": "prompted", "text": "Prompt audio and an instruction.", "prompt_wav": "prompt.wav",
+         "prompt_text": "A short prompt.", "instruct": "Sound happy."},
+    ])
+    items, failures = run_job(model, corpus, tmp_path / "out")
+    assert sorted(items) == ["plain", "told"] and list(failures) == ["prompted"]
+    assert "built-in speaker" in failures["prompted"]
+    assert items["told"]["meta"]["instruct"] == "A calm narrator." and "instruct" not in items["plain"]["meta"]

@@ -461,6 +461,10 @@ class CausalMaskedDiffWithXvec(nn.Module):
         self.decoder = decoder
         self._noise: Tensor | None = None
 
+    def mel_frames(self, n_tokens: int) -> int:
+        """Mel frames this flow makes from ``n_tokens`` speech tokens (a fixed ratio here; not so in v1)."""
+        return self.token_mel_ratio * n_tokens
+
     def noise(self, frames: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         """Upstream's fixed starting noise, (1, 80, frames); past its 300 s, further seeded blocks."""
         blocks = max(1, math.ceil(frames / NOISE_FRAMES))

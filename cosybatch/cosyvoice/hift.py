@@ -1,6 +1,6 @@
-"""Batch-native HiFT vocoder (CosyVoice2): NSF harmonic source, HiFi-GAN upsampling and an iSTFT head.
+"""Batch-native HiFT vocoder (CosyVoice2, CosyVoice-300M): NSF harmonic source, HiFi-GAN upsampling, iSTFT head.
 
-The maths follows CosyVoice2's ``HiFTGenerator`` (Apache-2.0) so that its ``hift.pt`` loads unchanged, but the
+The maths follows upstream's ``HiFTGenerator`` (Apache-2.0) so that its ``hift.pt`` loads unchanged, but the
 forward pass takes a padded batch. Every item comes out as it would when vocoded on its own:
 
 * each layer that can write into padded frames is followed by a multiply with that resolution's time mask, so
@@ -22,7 +22,11 @@ from torch import Tensor, nn
 
 __all__ = ["HiFT", "HiFTF0Predictor", "load_hift_state"]
 
-SUPPORTED_SAMPLING_RATE = 24000
+# Upstream picks the harmonic source by sampling rate: CosyVoice-300M's 22,050 Hz vocoder keeps the first
+# ``SineGen`` (phase integrated per sample), every other rate uses ``SineGen2`` (phase integrated per frame).
+SAMPLE_RATE_SOURCE_HZ = 22050
+SUPPORTED_SAMPLING_RATES = (22050, 24000)
+SUPPORTED_SAMPLING_RATE = 24000  # CosyVoice2's; kept for callers that name it
 
 
 def _time_mask(counts: Tensor, size: int, dtype: torch.dtype) -> Tensor:
@@ -152,12 +156,56 @@ class HarmonicSource(nn.Module):
         return torch.tanh(self.l_linear(excitation.transpose(1, 2))).transpose(1, 2)
 
 
-class HiFT(nn.Module):
-    """CosyVoice2's HiFTNet vocoder with a padded-batch forward pass.
+class SampleSineSource(HarmonicSource):
+    """NSF source of the 22,050 Hz vocoder (upstream's first ``SineGen``): the phase is integrated per sample.
 
-    The keyword arguments are those of the ``hift:`` section of ``cosyvoice2.yaml``; ``f0_predictor`` is the
-    keyword dict of its F0 predictor (or a ready :class:`HiFTF0Predictor`). Parameter names match upstream's
-    ``HiFTGenerator`` after weight norm is folded; load official weights with :func:`load_hift_state`.
+    The phase is ``2 pi (cumsum(f0 k / sr) mod 1)`` over the whole utterance in float32, as upstream computes it;
+    a running sum over tens of thousands of samples is sensitive to the order of additions, so it is taken over
+    each padded row exactly as over a lone item (a row's prefix sums do not depend on what follows them).
+    Random draws per item, in the order and shapes of a single-item run: the initial phases
+    ``Uniform(-pi, pi)`` as (1, dim, 1), then the Gaussian noise as (1, dim, samples). Upstream then draws one
+    more (unused) tensor; each generator here serves one item once, so that draw is skipped.
+    """
+
+    def _draw_noise(
+        self, lengths: list[int], generators: Sequence[torch.Generator], like: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        batch, _, total = like.shape
+        phases = like.new_zeros(batch, self.dim, 1)
+        noise = like.new_zeros(batch, self.dim, total)
+        # torch.distributions.Uniform(-pi, pi).sample: low + rand * (high - low), all in float32.
+        low = torch.tensor(-math.pi)
+        span = torch.tensor(math.pi) - low
+        for index, (frames, gen) in enumerate(zip(lengths, generators, strict=True)):
+            ini = low + torch.rand(1, self.dim, 1, generator=gen, device=gen.device) * span.to(gen.device)
+            gauss = torch.randn(1, self.dim, frames * self.upsample, generator=gen, device=gen.device)
+            phases[index] = ini[0].to(like.device, like.dtype)
+            noise[index, :, : frames * self.upsample] = gauss[0].to(like.device, like.dtype)
+        phases[:, 0] = 0
+        return phases, noise
+
+    def forward(self, f0: Tensor, lengths: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+        """(B, T) frame F0 -> (B, 1, T * upsample) excitation; samples past an item's end are not meaningful."""
+        f0_up = F.interpolate(f0[:, None], scale_factor=float(self.upsample), mode="nearest")  # (B, 1, N)
+        harmonic_index = torch.arange(1, self.dim + 1, device=f0.device, dtype=f0.dtype)[None, :, None]
+        step = f0_up * harmonic_index / self.sampling_rate  # (B, dim, N), cycles per sample
+        theta = 2 * math.pi * (torch.cumsum(step, dim=-1) % 1)
+        phases, noise = self._draw_noise(lengths.tolist(), generators, step)
+        sines = self.sine_amp * torch.sin(theta + phases)
+        uv = (f0_up > self.threshold).to(f0.dtype)
+        noise = (uv * self.noise_std + (1 - uv) * self.sine_amp / 3) * noise
+        excitation = sines * uv + noise
+        return torch.tanh(self.l_linear(excitation.transpose(1, 2))).transpose(1, 2)
+
+
+class HiFT(nn.Module):
+    """Upstream's HiFTNet vocoder with a padded-batch forward pass.
+
+    The keyword arguments are those of the ``hift:`` section of ``cosyvoice2.yaml`` or ``cosyvoice.yaml``;
+    ``f0_predictor`` is the keyword dict of its F0 predictor (or a ready :class:`HiFTF0Predictor`). Parameter
+    names match upstream's ``HiFTGenerator`` after weight norm is folded; load official weights with
+    :func:`load_hift_state`. A 22,050 Hz vocoder (CosyVoice-300M) gets upstream's first ``SineGen`` source
+    (:class:`SampleSineSource`), a 24,000 Hz one (CosyVoice2) the ``SineGen2`` one, as upstream chooses.
     """
 
     def __init__(
@@ -181,10 +229,10 @@ class HiFT(nn.Module):
         f0_predictor: Mapping[str, int] | HiFTF0Predictor | None = None,
     ) -> None:
         super().__init__()
-        if sampling_rate != SUPPORTED_SAMPLING_RATE:
+        if sampling_rate not in SUPPORTED_SAMPLING_RATES:
             raise ValueError(
-                f"HiFT supports only the {SUPPORTED_SAMPLING_RATE} Hz CosyVoice2 vocoder (SineGen2 source), "
-                f"got sampling_rate={sampling_rate}"
+                "HiFT supports the 22050 Hz CosyVoice-300M vocoder (SineGen source) and the 24000 Hz CosyVoice2 one "
+                f"(SineGen2 source), got sampling_rate={sampling_rate}"
             )
         istft = dict(istft_params) if istft_params is not None else {"n_fft": 16, "hop_len": 4}
         self.n_fft = int(istft["n_fft"])
@@ -198,7 +246,8 @@ class HiFT(nn.Module):
         self.lrelu_slope = lrelu_slope
         self.audio_limit = audio_limit
 
-        self.m_source = HarmonicSource(
+        source = SampleSineSource if sampling_rate == SAMPLE_RATE_SOURCE_HZ else HarmonicSource
+        self.m_source = source(
             sampling_rate, self.samples_per_frame, nb_harmonics, nsf_alpha, nsf_sigma, nsf_voiced_threshold
         )
         self.conv_pre = nn.Conv1d(in_channels, base_channels, 7, padding=3)

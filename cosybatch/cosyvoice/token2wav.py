@@ -15,7 +15,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Token2Wav:
-    """The flow and the vocoder of one CosyVoice2 model directory.
+    """The flow and the vocoder of one CosyVoice model directory (any family).
 
     ``precision`` bf16 or fp16 converts the flow's weights once, at load; the flow's Euler state,
     its time features and its starting noise stay fp32, and the vocoder stays fp32 (as upstream's
@@ -49,8 +49,12 @@ class Token2Wav:
         self.samples_per_frame = self.config.samples_per_frame
 
     @torch.inference_mode()
-    def mels(self, items: Sequence[FlowInput]) -> list[torch.Tensor]:
-        """One (80, 2T) fp32 mel per item, on the model's device."""
+    def mels(self, items: Sequence[FlowInput], seeds: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """One (80, frames) fp32 mel per item, on the model's device. ``seeds``: each item's noise
+        seed, for CosyVoice-300M's flow (upstream draws fresh noise per call; ours per item, from
+        its seed); CosyVoice2's and 3's flows start every item from upstream's fixed noise table."""
+        if self.config.family.version == 1:
+            return [m.float() for m in self.flow.inference(items, seeds)]
         return [m.float() for m in self.flow.inference(items)]
 
     @torch.inference_mode()
@@ -70,4 +74,4 @@ class Token2Wav:
             raise ValueError("one seed per item")
         if not items:
             return []
-        return self.vocode(self.mels(items), seeds)
+        return self.vocode(self.mels(items, seeds), seeds)

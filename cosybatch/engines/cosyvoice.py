@@ -167,6 +167,9 @@ class CosyVoiceEngine(Engine):
             config = read_config(self.model_dir)
             self.family = config.family
             self.config = config
+            if opts.flow_backend != "torch" and config.family.version != 2:
+                raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: the ONNX export covers "
+                                 f"CosyVoice2's flow estimator only, not {config.family.name}'s; use torch")
             self.sampling = Sampling.from_yaml(config.llm)
             self.tokenizer = load_text_tokenizer(config)
             self.lm = load_lm(config, self.device, PRECISIONS[precision] or torch.float32)
@@ -424,7 +427,8 @@ class CosyVoiceEngine(Engine):
         by_frames = sorted(frames, key=lambda i: -frames[i])
         budget = self.flow_batch * flow_cost(self._mel_frames(self._tokens_per_text_token() * self.max_segment_tokens))
         for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
-            for i, mel in zip(chunk, split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c])),
+            for i, mel in zip(chunk, split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c],
+                                                                       [segs[i].seed for i in c])),
                               strict=True):
                 mels[i] = mel
         lengths = {i: mel.size(1) for i, mel in mels.items()}
