@@ -8,6 +8,7 @@ differently, amplified by the vocoder's phase integration (see the README).
 
     python benchmarks/cosyvoice_invariance.py                 # tiny weights, CPU
     python benchmarks/cosyvoice_invariance.py --size real     # real sizes (slow on CPU)
+    python benchmarks/cosyvoice_invariance.py --family v1     # CosyVoice-300M (v3: Fun-CosyVoice3)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosybatch.cosyvoice.tiny import write_model_dir
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions
 from cosybatch.plan import Unit
@@ -35,6 +35,23 @@ TEXTS = [
     "This sentence is a little longer than most of the others in the list, on purpose.",
     "Goodbye.",
 ]
+
+
+def write_model(folder: Path, family: str, size: str) -> Path:
+    """A tiny (or real-size) random-weight folder of the family, with built-in speakers."""
+    if family == "v1":
+        from cosybatch.cosyvoice.tiny_v1 import write_model_dir
+
+        return write_model_dir(folder / "CosyVoice-300M-SFT", variant="sft", size=size)
+    if family == "v3":
+        from cosybatch.cosyvoice.tiny_v3 import write_model_dir_v3
+
+        if size != "tiny":
+            raise SystemExit("--family v3: only tiny folders are written (its writer has no real sizes yet)")
+        return write_model_dir_v3(folder / "Fun-CosyVoice3-0.5B")
+    from cosybatch.cosyvoice.tiny import write_model_dir
+
+    return write_model_dir(folder / "model", size=size)
 
 
 def run(engine, rows, together: bool) -> tuple[dict, dict, dict]:
@@ -69,13 +86,14 @@ def run(engine, rows, together: bool) -> tuple[dict, dict, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    ap.add_argument("--family", choices=("v1", "v2", "v3"), default="v2")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = [(f"row-{i}", t) for i, t in enumerate(TEXTS)]
-    result = {"size": args.size, "rows": len(rows), "configs": {}}
+    result = {"family": args.family, "size": args.size, "rows": len(rows), "configs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_model_dir(Path(tmp) / "model", size=args.size)
+        model = write_model(Path(tmp), args.family, args.size)
 
         def engine(**opts):
             return open_engine("cosyvoice", None, EngineOptions(device="cpu", threads=1, engine=CosyVoiceOptions(
@@ -107,7 +125,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{len(rows)} rows, {args.size} weights, CPU; reference: one segment at a time, 1 slot")
+    print(f"{args.family}: {len(rows)} rows, {args.size} weights, CPU; reference: one segment at a time, 1 slot")
     for name, r in result["configs"].items():
         print(f"{name}: tokens identical in {r['segments_identical']} of {r['segments']} segments "
               f"(others diverge at token {r['diverged_at_token']}); on the {r['rows_compared']} rows with "
