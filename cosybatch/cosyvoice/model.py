@@ -113,7 +113,7 @@ def build_hift(config: ModelConfig) -> torch.nn.Module:
         if config.family.version == 3:
             from .hift_v3 import build_hift_v3
 
-            return build_hift_v3(config.hift)
+            return build_hift_v3(config.hift, config.flow)  # its noise tables follow the flow's draws
         f0 = params.get("f0_predictor")
         if isinstance(f0, Call):
             params["f0_predictor"] = expect(f0, "ConvRNNF0Predictor", where="hift.f0_predictor").kwargs
@@ -184,6 +184,7 @@ def load_text_tokenizer(config: ModelConfig):
         from .text_v1 import WhisperTextTokenizer
 
         return WhisperTextTokenizer()
-    from .text import QwenTextTokenizer
+    from .text import UPSTREAM_EXTRA_SPECIALS, V3_SPECIALS, QwenTextTokenizer
 
-    return QwenTextTokenizer(config.path / "CosyVoice-BlankEN")
+    specials = V3_SPECIALS if config.family.version == 3 else UPSTREAM_EXTRA_SPECIALS
+    return QwenTextTokenizer(config.path / "CosyVoice-BlankEN", specials)

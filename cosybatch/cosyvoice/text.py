@@ -58,6 +58,29 @@ UPSTREAM_EXTRA_SPECIALS: tuple[str, ...] = (
     "[mn]",
 )
 
+# What upstream's CosyVoice3Tokenizer adds to BlankEN's tokenizer at load time, in its order
+# (cosyvoice/tokenizer/tokenizer.py at ace7c47). The first three exist already, so <|endofprompt|>
+# gets 151646. Tokens for instructions, non-verbal sounds, then ARPAbet and pinyin phones.
+_ARPABET = (
+    "AA AA0 AA1 AA2 AE AE0 AE1 AE2 AH AH0 AH1 AH2 AO AO0 AO1 AO2 AW AW0 AW1 AW2 AY AY0 AY1 AY2 B CH D DH "
+    "EH EH0 EH1 EH2 ER ER0 ER1 ER2 EY EY0 EY1 EY2 F G HH IH IH0 IH1 IH2 IY IY0 IY1 IY2 JH K L M N NG "
+    "OW OW0 OW1 OW2 OY OY0 OY1 OY2 P R S SH T TH UH UH0 UH1 UH2 UW UW0 UW1 UW2 V W Y Z ZH"
+)
+_PINYIN = (
+    "a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu ià iàn iàng iào iá ián iáng iáo iè ié "
+    "iòng ióng iù iú iā iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo iǒng iǔ j k l m n o ong ou p q r s "
+    "sh t u uang ue un uo uà uài uàn uàng uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng uē uě uī "
+    "uō uǎ uǎi uǎn uǎng uǐ uǒ vè w x y z zh à ài àn àng ào á ái án áng áo è èi èn èng èr é éi én éng "
+    "ér ì ìn ìng í ín íng ò òng òu ó óng óu ù ùn ú ún ā āi ān āng āo ē ēi ēn ēng ě ěi ěn ěng ěr ī īn "
+    "īng ō ōng ōu ū ūn ǎ ǎi ǎn ǎng ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ"
+)
+V3_SPECIALS: tuple[str, ...] = (
+    *UPSTREAM_EXTRA_SPECIALS,
+    "<|endofsystem|>",
+    *(f"[{p}]" for p in _ARPABET.split()),
+    *(f"[{p}]" for p in _PINYIN.split()),
+)
+
 # Qwen2's pre-tokenizer pattern (as in transformers' Qwen2Converter).
 QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
@@ -82,7 +105,8 @@ class QwenTextTokenizer:
     :data:`UPSTREAM_EXTRA_SPECIALS` (tokens already present keep their ids).
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, specials: Sequence[str] = UPSTREAM_EXTRA_SPECIALS) -> None:
+        """``specials``: what upstream's tokenizer class adds (CosyVoice3's: :data:`V3_SPECIALS`)."""
         from tokenizers import Tokenizer
 
         self.folder = Path(folder)
@@ -97,7 +121,7 @@ class QwenTextTokenizer:
         else:
             raise FileNotFoundError(f"{self.folder}: no tokenizer.json, nor vocab.json + merges.txt")
         _add_declared_tokens(tokenizer, config.get("added_tokens_decoder") or {}, self.folder)
-        tokenizer.add_special_tokens([_added_token(token, special=True) for token in UPSTREAM_EXTRA_SPECIALS])
+        tokenizer.add_special_tokens([_added_token(token, special=True) for token in specials])
         self._tokenizer = tokenizer
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
 
