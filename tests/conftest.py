@@ -74,3 +74,11 @@ def cosyvoice_v1_instruct_dir(tmp_path_factory) -> Path:
 
     return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1i") / "CosyVoice-300M-Instruct-tiny",
                            variant="instruct")
+
+
+@pytest.fixture(scope="session")
+def cosyvoice_v3_dir(tmp_path_factory) -> Path:
+    """A tiny Fun-CosyVoice3-0.5B folder in the official layout, random weights."""
+    from cosybatch.cosyvoice.tiny_v3 import write_model_dir_v3
+
+    return write_model_dir_v3(tmp_path_factory.mktemp("cosyvoice-v3") / "Fun-CosyVoice3-0.5B-tiny")

@@ -204,3 +204,39 @@ def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosy
     assert sorted(items) == ["plain", "told"] and list(failures) == ["prompted"]
     assert "built-in speaker" in failures["prompted"]
     assert items["told"]["meta"]["instruct"] == "A calm narrator." and "instruct" not in items["plain"]["meta"]
+
+
+# -- Fun-CosyVoice3 ------------------------------------------------------------------------------
+def test_v3_zero_shot_cross_lingual_and_instruct_rows(cosyvoice_v3_dir, prompt_folder, tmp_path):
+    report = check_setup(cosyvoice_v3_dir, None, None, None)
+    assert (report["family"], report["version"], report["sample_rate"]) == ("Fun-CosyVoice3-0.5B", 3, 24000)
+    engine = open_engine("cosyvoice", None, EngineOptions(device="cpu", corpus_dir=prompt_folder,
+                                                          engine=CosyVoiceOptions(model=cosyvoice_v3_dir)))
+    encode = engine.tokenizer.encode
+    zero = engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", "A short prompt.", True))
+    cross = engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", None, True))
+    told = engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", "A short prompt.", True, "Be quick."))
+    # Upstream's CosyVoice3 examples: every LM prompt opens with the system prompt and <|endofprompt|>.
+    assert zero.payloads[0].prompt_text_tokens == tuple(encode("You are a helpful assistant.<|endofprompt|>"
+                                                               "A short prompt."))
+    assert zero.payloads[0].lm_speech
+    assert cross.payloads[0].prompt_text_tokens == tuple(encode("You are a helpful assistant.<|endofprompt|>"))
+    assert not cross.payloads[0].lm_speech
+    assert told.payloads[0].prompt_text_tokens == tuple(encode("You are a helpful assistant. Be quick.<|endofprompt|>"))
+    assert not told.payloads[0].lm_speech
+
+    corpus = family_corpus(prompt_folder, "v3", [
+        {"id": "zero-shot", "text": "Cloned from a prompt.", "prompt_wav": "prompt.wav",
+         "prompt_text": "A short prompt."},
+        {"id": "cross", "text": "Only the voice of the prompt.", "prompt_wav": "prompt.wav"},
+        {"id": "told", "text": "With a style.", "prompt_wav": "prompt.wav", "prompt_text": "A short prompt.",
+         "instruct": "Speak like a sports commentator."},
+        {"id": "no-voice", "text": "This folder has no built-in speakers."},
+    ])
+    items, failures = run_job(cosyvoice_v3_dir, corpus, tmp_path / "out")
+    assert sorted(items) == ["cross", "told", "zero-shot"] and list(failures) == ["no-voice"]
+    for item in items.values():
+        # 24 kHz, 2 mel frames of 480 samples per token: whole tokens of audio per one-segment row.
+        assert item["sample_rate"] == 24000 and item["audio"].size > 0 and item["audio"].size % 960 == 0
+        assert item["meta"]["settings"]["family"] == "Fun-CosyVoice3-0.5B"
+    assert items["told"]["meta"]["instruct"] == "Speak like a sports commentator."

@@ -59,20 +59,32 @@ def test_job_spec_values_flags_override_and_bad_keys(tmp_path):
     assert proc.returncode == 2 and "pwned" not in proc.stdout  # parsed, never executed
 
 
-def test_every_example_in_jobs_is_valid(cosyvoice_dir):
+def test_every_example_in_jobs_is_valid(cosyvoice_dir, cosyvoice_v1_dir, cosyvoice_v3_dir):
     jobs = ROOT / "jobs"
     specs = sorted(p for p in jobs.iterdir() if p.suffix in (".toml", ".yaml", ".yml") and not p.name.startswith("k8s"))
     assert len(specs) >= 3
+    # The real CosyVoice folders cannot be downloaded here: tiny ones in the official layout of each
+    # family stand in for them, and the spec's device is overridden on this GPU-less machine.
+    stand_ins = {"cosyvoice-300m": (cosyvoice_v1_dir, "CosyVoice-300M-SFT", ["--speaker", "alice"]),
+                 "cosyvoice2": (cosyvoice_dir, "CosyVoice2-0.5B", []),
+                 "cosyvoice3": (cosyvoice_v3_dir, "Fun-CosyVoice3-0.5B", ["--precision", "fp32"])}
+    families = set()
     for spec in specs:
-        # The real CosyVoice2 folder cannot be downloaded here: the tiny one in the official layout
-        # stands in for it, and the spec's device is overridden on this GPU-less machine.
-        real_model = "cosyvoice" in spec.name
-        override = ["--model", str(cosyvoice_dir), "--device", "cpu"] if real_model else []
-        cfg = checked("--job", str(spec.relative_to(ROOT)), "--shard", "0/4", *override)
-        if real_model:
+        family = next((k for k in stand_ins if spec.name.startswith(k)), None)
+        override = []
+        if family:
+            model, _, extra = stand_ins[family]
+            override = ["--model", str(model), "--device", "cpu", *extra]
+        proc = cosybatch("run", "--job", str(spec.relative_to(ROOT)), "--shard", "0/4", *override, "--check")
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(proc.stdout.splitlines()[-1])
+        cfg = report["config"]
+        if family:
+            families.add(family)
             options = cfg["engine_options"]
-            assert cfg["engine"] == "cosyvoice" and options["prompt_wav"] == "examples/prompt-joe.wav"
-            assert options["model"] == str(cosyvoice_dir)  # --model overrides the spec's table
+            assert cfg["engine"] == "cosyvoice" and options["model"] == str(model)  # --model overrides the table
+            assert report["voice"]["family"] == stand_ins[family][1]
+    assert families == set(stand_ins)  # a spec for each family
 
     # Command lines in the scheduler examples, checked as those schedulers would run them.
     commands = []
