@@ -20,6 +20,7 @@ from cosybatch.cosyvoice.model import ModelDirError, read_config
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions, check_setup
 from cosybatch.errors import UsageError
+from cosybatch.plan import Unit
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -240,3 +241,20 @@ def test_v3_zero_shot_cross_lingual_and_instruct_rows(cosyvoice_v3_dir, prompt_f
         assert item["sample_rate"] == 24000 and item["audio"].size > 0 and item["audio"].size % 960 == 0
         assert item["meta"]["settings"]["family"] == "Fun-CosyVoice3-0.5B"
     assert items["told"]["meta"]["instruct"] == "Speak like a sports commentator."
+
+
+def test_v3_sft_speakers_when_the_folder_has_them(cosyvoice_v3_dir, cosyvoice_dir, tmp_path):
+    """Whether official Fun-CosyVoice3 folders ship spk2info.pt is not known; one that does works."""
+    folder = tmp_path / "Fun-CosyVoice3-0.5B-with-speakers"
+    folder.mkdir()
+    for entry in cosyvoice_v3_dir.iterdir():
+        (folder / entry.name).symlink_to(entry)
+    shutil.copy(cosyvoice_dir / "spk2info.pt", folder / "spk2info.pt")
+    engine = open_engine("cosyvoice", "alice", EngineOptions(device="cpu", engine=CosyVoiceOptions(model=folder)))
+    prepared = engine.prepare("Hello there.", "a", None)
+    seg = prepared.payloads[0]
+    assert seg.voice.key == "spk:alice" and not seg.lm_speech
+    assert seg.prompt_text_tokens == tuple(engine.tokenizer.encode("You are a helpful assistant.<|endofprompt|>"))
+    units = [Unit(0, 0, prepared.costs[0], "", seg)]
+    audio = engine.synthesize(units).audio[0]
+    assert audio.size > 0 and audio.size % 960 == 0 and np.isfinite(audio).all()
