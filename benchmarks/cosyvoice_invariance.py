@@ -54,7 +54,20 @@ def write_model(folder: Path, family: str, size: str) -> Path:
     return write_model_dir(folder / "model", size=size)
 
 
-def run(engine, rows, together: bool) -> tuple[dict, dict, dict]:
+def voice_for(engine, folder: Path) -> VoiceRequest:
+    """The built-in speaker alice, or (a folder without speakers) a zero-shot prompt."""
+    if "alice" in engine.voices.speakers:
+        return VoiceRequest("alice", None, None, True)
+    import soundfile as sf
+
+    path = folder / "prompt.wav"
+    if not path.exists():
+        t = np.linspace(0, 1.5, 24000, endpoint=False)
+        sf.write(path, (0.3 * np.sin(2 * np.pi * (180 + 60 * t) * t)).astype("float32"), 16000)
+    return VoiceRequest(None, str(path), "A short prompt.", False)
+
+
+def run(engine, rows, together: bool, voice: VoiceRequest) -> tuple[dict, dict, dict]:
     """(audio per row id, tokens per segment seed, row id per segment seed)."""
     tokens: dict[int, list[int]] = {}
     decode = engine.lm.decode
@@ -68,7 +81,7 @@ def run(engine, rows, together: bool) -> tuple[dict, dict, dict]:
     engine.lm.decode = recording
     units, owners, seeds = [], [], {}
     for key, (item_id, text) in enumerate(rows):
-        prepared = engine.prepare(text, item_id, VoiceRequest("alice", None, None, True))
+        prepared = engine.prepare(text, item_id, voice)
         for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True)):
             units.append(Unit(key, part, cost, "", payload))
             owners.append(item_id)
@@ -99,10 +112,12 @@ def main() -> None:
             return open_engine("cosyvoice", None, EngineOptions(device="cpu", threads=1, engine=CosyVoiceOptions(
                 model=model, **opts)))
 
-        reference, ref_tokens, seeds = run(engine(lm_slots=1, flow_batch=1, hift_batch=1), rows, together=False)
+        first = engine(lm_slots=1, flow_batch=1, hift_batch=1)
+        voice = voice_for(first, Path(tmp))
+        reference, ref_tokens, seeds = run(first, rows, together=False, voice=voice)
         for name, opts in {"defaults, one batch": {}, "8 slots, flow and vocoder batch 8":
                            {"lm_slots": 8, "flow_batch": 8, "hift_batch": 8}}.items():
-            audio, tokens, _ = run(engine(**opts), rows, together=True)
+            audio, tokens, _ = run(engine(**opts), rows, together=True, voice=voice)
             assert sorted(tokens) == sorted(ref_tokens) and ref_tokens, "every segment's tokens were recorded"
             diverged = {seeds[k] for k in ref_tokens if tokens[k] != ref_tokens[k]}
             first = [next((i for i, (a, b) in enumerate(zip(ref_tokens[k], tokens[k], strict=False)) if a != b), None)
