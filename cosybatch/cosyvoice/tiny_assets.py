@@ -117,32 +117,36 @@ def write_campplus_onnx(path: str | Path, seed: int = 0) -> Path:
     return _save_onnx(model, path)
 
 
-def write_speech_tokenizer_onnx(path: str | Path, seed: int = 0) -> Path:
-    """Write a stand-in for ``speech_tokenizer_v2.onnx``.
+def write_speech_tokenizer_onnx(path: str | Path, seed: int = 0, frames_per_token: int = FRAMES_PER_TOKEN,
+                                code_side: int = _CODE_SIDE, rank: int = 2) -> Path:
+    """Write a stand-in for a speech tokenizer (``speech_tokenizer_v2.onnx`` by default).
 
     Inputs ``feats`` float32 [1, 128, frames] and ``feats_length`` int32 [1]; output ``indices`` int64
-    [1, ceil(feats_length / 4)] with ids in [0, 6561). Every 4 frames (zero-padded at the end) are
-    stacked into 512 features and projected twice onto 81 codes; the id is ``argmax_a * 81 + argmax_b``.
+    [1, ceil(feats_length / frames_per_token)] (rank 3, [1, 1, n], as v1's real tokenizer gives)
+    with ids in [0, code_side ** 2). Every ``frames_per_token`` frames (zero-padded at the end) are
+    stacked and projected twice onto ``code_side`` codes; the id is ``argmax_a * code_side + argmax_b``.
+    v2 and v3: 4 frames (25 Hz), 81 codes (6561 ids). v1: 2 frames (50 Hz), 64 codes (4096 ids), rank 3.
     """
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(seed)
-    stacked = MEL_BINS * FRAMES_PER_TOKEN
-    weight = (rng.standard_normal((stacked, 2 * _CODE_SIDE)) / math.sqrt(stacked)).astype(np.float32)
-    bias = (0.1 * rng.standard_normal(2 * _CODE_SIDE)).astype(np.float32)
+    stacked = MEL_BINS * frames_per_token
+    weight = (rng.standard_normal((stacked, 2 * code_side)) / math.sqrt(stacked)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(2 * code_side)).astype(np.float32)
 
     def const(name: str, values: list[int]):
         return _initializer(name, np.array(values, dtype=np.int64))
 
+    kept = "indices" if rank == 2 else "kept"
     nodes = [
-        # [1, 128, T] -> [1, T, 128], then pad T up to a multiple of 4.
+        # [1, 128, T] -> [1, T, 128], then pad T up to a multiple of the stride.
         helper.make_node("Transpose", ["feats"], ["frames_first"], perm=[0, 2, 1]),
         helper.make_node("Shape", ["frames_first"], ["frame_count"], start=1, end=2),
-        helper.make_node("Sub", ["four", "frame_count"], ["short_by"]),
-        helper.make_node("Mod", ["short_by", "four"], ["pad_end"]),
+        helper.make_node("Sub", ["stride", "frame_count"], ["short_by"]),
+        helper.make_node("Mod", ["short_by", "stride"], ["pad_end"]),
         helper.make_node("Concat", ["pads_head", "pad_end", "zero"], ["pads"], axis=0),
         helper.make_node("Pad", ["frames_first", "pads"], ["padded"], mode="constant"),
-        # [1, T', 128] -> [1, T'/4, 512] -> two sets of 81 scores per token.
+        # [1, T', 128] -> [1, T'/stride, 128 * stride] -> two sets of code_side scores per token.
         helper.make_node("Reshape", ["padded", "stack_shape"], ["stacked"]),
         helper.make_node("MatMul", ["stacked", "code_weight"], ["scores_raw"]),
         helper.make_node("Add", ["scores_raw", "code_bias"], ["scores"]),
@@ -151,35 +155,38 @@ def write_speech_tokenizer_onnx(path: str | Path, seed: int = 0) -> Path:
         helper.make_node("ArgMax", ["scores_b"], ["code_b"], axis=2, keepdims=0),
         helper.make_node("Mul", ["code_a", "side"], ["code_a_scaled"]),
         helper.make_node("Add", ["code_a_scaled", "code_b"], ["all_indices"]),
-        # Keep ceil(feats_length / 4) tokens, as the real model does for a padded batch.
+        # Keep ceil(feats_length / stride) tokens, as the real model does for a padded batch.
         helper.make_node("Cast", ["feats_length"], ["length64"], to=TensorProto.INT64),
-        helper.make_node("Add", ["length64", "three"], ["length_up"]),
-        helper.make_node("Div", ["length_up", "four"], ["token_count"]),
-        helper.make_node("Slice", ["all_indices", "zero", "token_count", "one"], ["indices"]),
+        helper.make_node("Add", ["length64", "stride_less_one"], ["length_up"]),
+        helper.make_node("Div", ["length_up", "stride"], ["token_count"]),
+        helper.make_node("Slice", ["all_indices", "zero", "token_count", "one"], [kept]),
     ]
+    if rank == 3:
+        nodes.append(helper.make_node("Unsqueeze", [kept, "one"], ["indices"]))
+    out_shape = [1, "tokens"] if rank == 2 else [1, 1, "tokens"]
     graph = helper.make_graph(
         nodes,
-        "tiny_speech_tokenizer_v2",
+        f"tiny_speech_tokenizer_rank{rank}",
         [
             helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, MEL_BINS, "frames"]),
             helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),
         ],
-        [helper.make_tensor_value_info("indices", TensorProto.INT64, [1, "tokens"])],
+        [helper.make_tensor_value_info("indices", TensorProto.INT64, out_shape)],
         initializer=[
             _initializer("code_weight", weight),
             _initializer("code_bias", bias),
             const("zero", [0]),
             const("one", [1]),
-            const("three", [3]),
-            const("four", [FRAMES_PER_TOKEN]),
-            const("side", [_CODE_SIDE]),
-            const("halves", [_CODE_SIDE, _CODE_SIDE]),
+            const("stride_less_one", [frames_per_token - 1]),
+            const("stride", [frames_per_token]),
+            const("side", [code_side]),
+            const("halves", [code_side, code_side]),
             const("pads_head", [0, 0, 0, 0]),  # begins of (batch, time, mel), end of batch
             const("stack_shape", [0, -1, stacked]),
         ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="cosybatch")
-    model.ir_version = 8
+    model.ir_version = 8  # readable by onnxruntime >= 1.13
     return _save_onnx(model, path)
 
 

@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .flow_v1 import build_flow_v1
 from .hift import HiFT
 from .tiny import randomise, weight_norm_state
-from .tiny_assets import OPSET, _initializer, _save_onnx, write_campplus_onnx
+from .tiny_assets import write_campplus_onnx, write_speech_tokenizer_onnx
 from .yamlconf import Call, expect, load_yaml
 
 SPEECH_TOKENS = 4096  # 50 Hz v1 speech vocabulary
 TEXT_TOKENS = 51866  # openai-whisper's multilingual tokenizer (num_languages=100), which v1 folders use
-MEL_BINS = 128  # whisper log-mel bins the v1 speech tokenizer reads
 FRAMES_PER_TOKEN = 2  # 100 mel frames/s -> 50 tokens/s
 _CODE_SIDE = 64  # 64 * 64 == 4096
 VARIANTS = ("base", "sft", "instruct")
@@ -306,70 +303,9 @@ def yaml_text(size: str = "tiny") -> str:
 
 
 def write_speech_tokenizer_v1_onnx(path: str | Path, seed: int = 0) -> Path:
-    """Write a stand-in for ``speech_tokenizer_v1.onnx``.
-
-    Inputs ``feats`` float32 [1, 128, frames] and ``feats_length`` int32 [1]; output ``indices`` int64
-    [1, 1, ceil(feats_length / 2)] (rank 3, as the real v1 tokenizer's) with ids in [0, 4096). Every 2
-    frames (zero-padded at the end) are stacked into 256 features and projected twice onto 64 codes;
-    the id is ``argmax_a * 64 + argmax_b``.
-    """
-    from onnx import TensorProto, helper
-
-    rng = np.random.default_rng(seed)
-    stacked = MEL_BINS * FRAMES_PER_TOKEN
-    weight = (rng.standard_normal((stacked, 2 * _CODE_SIDE)) / math.sqrt(stacked)).astype(np.float32)
-    bias = (0.1 * rng.standard_normal(2 * _CODE_SIDE)).astype(np.float32)
-
-    def const(name: str, values: list[int]):
-        return _initializer(name, np.array(values, dtype=np.int64))
-
-    nodes = [
-        # [1, 128, T] -> [1, T, 128], then pad T up to a multiple of 2.
-        helper.make_node("Transpose", ["feats"], ["frames_first"], perm=[0, 2, 1]),
-        helper.make_node("Shape", ["frames_first"], ["frame_count"], start=1, end=2),
-        helper.make_node("Sub", ["stride", "frame_count"], ["short_by"]),
-        helper.make_node("Mod", ["short_by", "stride"], ["pad_end"]),
-        helper.make_node("Concat", ["pads_head", "pad_end", "zero"], ["pads"], axis=0),
-        helper.make_node("Pad", ["frames_first", "pads"], ["padded"], mode="constant"),
-        # [1, T', 128] -> [1, T'/2, 256] -> two sets of 64 scores per token.
-        helper.make_node("Reshape", ["padded", "stack_shape"], ["stacked"]),
-        helper.make_node("MatMul", ["stacked", "code_weight"], ["scores_raw"]),
-        helper.make_node("Add", ["scores_raw", "code_bias"], ["scores"]),
-        helper.make_node("Split", ["scores", "halves"], ["scores_a", "scores_b"], axis=2),
-        helper.make_node("ArgMax", ["scores_a"], ["code_a"], axis=2, keepdims=0),
-        helper.make_node("ArgMax", ["scores_b"], ["code_b"], axis=2, keepdims=0),
-        helper.make_node("Mul", ["code_a", "side"], ["code_a_scaled"]),
-        helper.make_node("Add", ["code_a_scaled", "code_b"], ["all_indices"]),
-        # Keep ceil(feats_length / 2) tokens, as the real model does for a padded batch; rank 3 out.
-        helper.make_node("Cast", ["feats_length"], ["length64"], to=TensorProto.INT64),
-        helper.make_node("Add", ["length64", "one"], ["length_up"]),
-        helper.make_node("Div", ["length_up", "stride"], ["token_count"]),
-        helper.make_node("Slice", ["all_indices", "zero", "token_count", "one"], ["kept"]),
-        helper.make_node("Unsqueeze", ["kept", "one"], ["indices"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "tiny_speech_tokenizer_v1",
-        [
-            helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, MEL_BINS, "frames"]),
-            helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),
-        ],
-        [helper.make_tensor_value_info("indices", TensorProto.INT64, [1, 1, "tokens"])],
-        initializer=[
-            _initializer("code_weight", weight),
-            _initializer("code_bias", bias),
-            const("zero", [0]),
-            const("one", [1]),
-            const("stride", [FRAMES_PER_TOKEN]),
-            const("side", [_CODE_SIDE]),
-            const("halves", [_CODE_SIDE, _CODE_SIDE]),
-            const("pads_head", [0, 0, 0, 0]),  # begins of (batch, time, mel), end of batch
-            const("stack_shape", [0, -1, stacked]),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="cosybatch")
-    model.ir_version = 8
-    return _save_onnx(model, path)
+    """A stand-in for ``speech_tokenizer_v1.onnx``: 50 Hz tokens (2 of the 100 Hz frames each) with
+    ids in [0, 4096), given as [1, 1, n] (rank 3, as the real v1 tokenizer's)."""
+    return write_speech_tokenizer_onnx(path, seed, frames_per_token=FRAMES_PER_TOKEN, code_side=_CODE_SIDE, rank=3)
 
 
 # ---------------------------------------------------------------------------- weights
