@@ -360,19 +360,15 @@ class DecoderLM(nn.Module):
 
 
 
-class SpeechLM(DecoderLM):
-    """Upstream's Qwen2LM parameters (``llm.model.model.*``, ``llm_embedding``, ``llm_decoder``,
-    ``speech_embedding``) and batched generation."""
+class Qwen2SpeechLM(DecoderLM):
+    """A Qwen2 decoder under upstream's attribute path ``llm.model.model`` as the LM body; what
+    CosyVoice2's and CosyVoice3's LMs share. Subclasses add their speech embedding and head."""
 
     def __init__(self, config: Qwen2Config, speech_token_size: int = SPEECH_TOKENS):
         super().__init__()
         self.config = config
         self.speech_token_size = speech_token_size
         self.llm = _Encoder(config)
-        h = config.hidden_size
-        self.llm_embedding = nn.Embedding(2, h)
-        self.llm_decoder = nn.Linear(h, speech_token_size + 3)
-        self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
 
     @property
     def qwen(self) -> Qwen2Model:
@@ -390,6 +386,26 @@ class SpeechLM(DecoderLM):
     def body(self, x: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
         return self.qwen(x, positions, cache, mask)
 
+    def to_precision(self, dtype: torch.dtype) -> Qwen2SpeechLM:
+        """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
+        inv_freq = self.qwen.inv_freq
+        self._pool = None  # its CUDA graphs point at the old weights
+        self.to(dtype=dtype)
+        self.qwen.inv_freq = inv_freq
+        return self
+
+
+class SpeechLM(Qwen2SpeechLM):
+    """Upstream's Qwen2LM parameters (``llm.model.model.*``, ``llm_embedding``, ``llm_decoder``,
+    ``speech_embedding``) and batched generation."""
+
+    def __init__(self, config: Qwen2Config, speech_token_size: int = SPEECH_TOKENS):
+        super().__init__(config, speech_token_size)
+        h = config.hidden_size
+        self.llm_embedding = nn.Embedding(2, h)
+        self.llm_decoder = nn.Linear(h, speech_token_size + 3)
+        self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
+
     def prompt_embeddings(self, req: LMRequest, device: torch.device) -> Tensor:
         text = torch.tensor([*req.prompt_text, *req.text], dtype=torch.long, device=device)
         speech = torch.tensor(list(req.prompt_speech), dtype=torch.long, device=device)
@@ -398,13 +414,6 @@ class SpeechLM(DecoderLM):
             [w[SOS][None], self.qwen.embed_tokens(text), w[TASK_ID][None], self.speech_embedding(speech)], dim=0
         )
 
-    def to_precision(self, dtype: torch.dtype) -> SpeechLM:
-        """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
-        inv_freq = self.qwen.inv_freq
-        self._pool = None  # its CUDA graphs point at the old weights
-        self.to(dtype=dtype)
-        self.qwen.inv_freq = inv_freq
-        return self
 
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .llm import DecoderLM, LMRequest, PoolStats, Qwen2Config, Qwen2Model, Sampling, _Encoder
+from .llm import LMRequest, PoolStats, Qwen2Config, Qwen2SpeechLM, Sampling
 from .yamlconf import Call, expect, load_yaml
 
 SPEECH_TOKENS = 6561
@@ -76,33 +76,17 @@ def has_endofprompt(req: LMRequest, endofprompt_id: int = ENDOFPROMPT_ID) -> boo
     return endofprompt_id in req.text or endofprompt_id in req.prompt_text
 
 
-class SpeechLM3(DecoderLM):
+class SpeechLM3(Qwen2SpeechLM):
     """Upstream CosyVoice3LM's parameters (``llm.model.model.*``, ``llm_decoder`` without bias,
     ``speech_embedding``) and batched generation through the slot pool."""
 
     def __init__(self, config: Qwen2Config, speech_token_size: int = SPEECH_TOKENS,
                  endofprompt_id: int = ENDOFPROMPT_ID):
-        super().__init__()
-        self.config = config
-        self.speech_token_size = speech_token_size
+        super().__init__(config, speech_token_size)
         self.endofprompt_id = endofprompt_id
-        self.llm = _Encoder(config)
         h = config.hidden_size
         self.llm_decoder = nn.Linear(h, speech_token_size + CONTROL_TOKENS, bias=False)
         self.speech_embedding = nn.Embedding(speech_token_size + CONTROL_TOKENS, h)
-
-    @property
-    def qwen(self) -> Qwen2Model:
-        return self.llm.model.model
-
-    @property
-    def kv_layout(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     # -- the stop rule: upstream's, quirk included (see the module docstring) -------------------
     @property
@@ -117,9 +101,6 @@ class SpeechLM3(DecoderLM):
     def min_len_masked(self) -> slice:
         # Upstream masks speech_token_size (v3's start id), not its end id: kept, see above.
         return slice(self.speech_token_size, self.speech_token_size + 1)
-
-    def body(self, x: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
-        return self.qwen(x, positions, cache, mask)
 
     def prompt_embeddings(self, req: LMRequest, device: torch.device) -> Tensor:
         text = torch.tensor([*req.prompt_text, *req.text], dtype=torch.long, device=device)
@@ -151,14 +132,6 @@ class SpeechLM3(DecoderLM):
     def finish_tokens(self, tokens: list[int]) -> list[int]:
         """What upstream's ``CosyVoice3Model.llm_job`` passes on to the flow: the long silences go."""
         return drop_long_silences(tokens)
-
-    def to_precision(self, dtype: torch.dtype) -> SpeechLM3:
-        """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
-        inv_freq = self.qwen.inv_freq
-        self._pool = None  # its CUDA graphs point at the old weights
-        self.to(dtype=dtype)
-        self.qwen.inv_freq = inv_freq
-        return self
 
 
 def build_llm_v3(llm: Call, config: Qwen2Config) -> SpeechLM3:
