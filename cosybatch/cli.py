@@ -65,7 +65,7 @@ ENGINE_OPTION_ALIASES = {
     "prompt_dir": (Path, "Alias of --engine-opt prompt_dir=DIR: a folder rows' prompt_wav paths may point into."),
     "instruct": (str, "Alias of --engine-opt instruct=TEXT: the default instruction (emotion, speed, dialect, "
                       "style) for rows without an instruct column value."),
-    "precision": (str, "Alias of --engine-opt precision=fp32|bf16|fp16."),
+    "precision": (str, "Alias of --engine-opt precision=...: fp32|bf16|fp16 (cosyvoice), fp32|int8 (piper)."),
     "noise_scale": (float, "Alias of --engine-opt noise_scale=X."),
     "length_scale": (float, "Alias of --engine-opt length_scale=X."),
     "noise_w": (float, "Alias of --engine-opt noise_w=X."),
@@ -358,6 +358,24 @@ def doctor_cmd(
         if as_json:  # the report is the last line, with its exit_code and error
             raise typer.Exit(report["exit_code"])
         _fail(report["error"], report["exit_code"])
+
+
+@app.command("quantize")
+def quantize_cmd(
+    voice: Optional[str] = typer.Option(None, "--voice", help="A voice name found in --voice-dir, or a path to "
+                                        "NAME.onnx (NAME.onnx.json beside it); default: the bundled voice."),
+    voice_dir: Optional[Path] = typer.Option(None, "--voice-dir", help="Folder holding NAME.onnx + NAME.onnx.json."),
+) -> None:
+    """Build the calibrated INT8 copy of a Piper voice into the cache ($XDG_CACHE_HOME/cosybatch), as
+    `run --precision int8` does on first use; run it once ahead of sharded workers. Prints JSON."""
+    _setup_logging()
+    from .piper_quant import quantize
+
+    try:
+        result = quantize(voice, voice_dir)
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    print(json.dumps(result))
 
 
 @app.command("engines")

@@ -29,12 +29,15 @@ import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..cache import cache_root, locked
+from ..cache import find_cached as _find_cached
 
 BACKENDS = ("torch", "onnx", "tensorrt")
 INPUT_NAMES = ("x", "mask", "mu", "t", "spks", "cond")
@@ -134,14 +137,6 @@ def check_backend(backend: str, device: torch.device | str) -> None:
 # Export and cache
 
 
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/cosybatch`` (an absolute XDG_CACHE_HOME only, as the spec says), else
-    ``~/.cache/cosybatch``."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "cosybatch"
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -201,37 +196,6 @@ def export_estimator(estimator: torch.nn.Module, path: Path, dtype: torch.dtype)
         quiet.setLevel(level)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (POSIX flock) while the block runs; none where flock is missing."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent exports may both run, and the rename keeps files whole
-        yield
-        return
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _find(folder: Path, key: str) -> Path | None:
-    """A cached export of ``key`` whose bytes match the digest in its name; damaged ones are removed."""
-    for path in sorted(folder.glob(f"{key}-*.onnx")):
-        digest = path.stem.rsplit("-", 1)[-1]
-        try:
-            if len(digest) == 32 and _sha256(path).startswith(digest):
-                return path
-        except OSError:
-            continue
-        log.warning("flow ONNX cache: %s is damaged (its bytes do not match its name); rebuilding it", path)
-        with contextlib.suppress(OSError):
-            path.unlink()
-    return None
-
-
 def cached_export(estimator: torch.nn.Module, flow_pt: Path, estimator_config: Any, dtype: torch.dtype,
                   folder: Path | None = None) -> Path:
     """The estimator's ONNX file from the cache, exported (once, atomically) when missing or damaged."""
@@ -239,8 +203,8 @@ def cached_export(estimator: torch.nn.Module, flow_pt: Path, estimator_config: A
     key = export_key(flow_pt, estimator_config, dtype)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with _locked(folder / f"{key}.lock"):
-            found = _find(folder, key)
+        with locked(folder / f"{key}.lock"):
+            found = _find_cached(folder, key, ".onnx")
             if found is not None:
                 return found
             log.info("exporting the flow estimator to ONNX (%s, once per checkpoint) into %s", _DTYPE_NAMES[dtype],

@@ -1,0 +1,66 @@
+"""The user's cache folder for files cosybatch builds from a model (ONNX exports, INT8 voices).
+
+Each cached file is ``KEY-DIGEST.SUFFIX``: KEY hashes what the file is built from, DIGEST is the
+start of the sha256 of the file's own bytes, so a damaged file is found, removed and rebuilt. A
+builder writes a temporary file in the same folder and renames it into place while holding
+``KEY.lock``, so concurrent jobs and sharded workers on one machine build it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("cosybatch")
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/cosybatch`` (an absolute XDG_CACHE_HOME only, as the spec says), else
+    ``~/.cache/cosybatch``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "cosybatch"
+
+
+def sha256_hex(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (POSIX flock) while the block runs; none where flock is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent builds may both run, and the rename keeps files whole
+        yield
+        return
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def find_cached(folder: Path, key: str, suffix: str = ".onnx") -> Optional[Path]:
+    """A cached file of ``key`` whose bytes match the digest in its name; damaged ones are removed."""
+    for path in sorted(folder.glob(f"{key}-*{suffix}")):
+        digest = path.name[: -len(suffix)].rsplit("-", 1)[-1]
+        try:
+            if len(digest) == 32 and sha256_hex(path).startswith(digest):
+                return path
+        except OSError:
+            continue
+        log.warning("cache: %s is damaged (its bytes do not match its name); rebuilding it", path)
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return None
