@@ -558,6 +558,16 @@ class PiperOptions:
     """Pad the phoneme axis to a multiple of this (CUDA reuses fewer shapes); unset: 1 on CPU, 32 on CUDA."""
     max_piece_ids: int = MAX_PIECE_IDS
     """Split longer sentences at clause, then word boundaries."""
+    two_stage: Optional[bool] = None
+    """Run the graph in two stages: text encoder + durations on the batch, then flow + decoder on
+    groups regrouped by real frame counts (README: "Two-stage batches"). Unset: two stages for
+    every batch of more than one piece, on any device (measured faster at batch 32 on the CPU)."""
+    stage2_efficiency: float = 0.95
+    """Two-stage only: cut each batch, sorted by frames, into the fewest decoder groups whose real
+    frames are at least this share of the computed ones (0: one group per batch)."""
+    precision: str = "fp32"
+    """fp32, or int8 (CPU only): a calibrated INT8 copy of the voice, built on first use and cached
+    (README: "INT8 Piper voices"; `cosybatch quantize` builds it ahead)."""
 
     def __post_init__(self) -> None:
         if self.length_scale is not None and self.length_scale <= 0:
@@ -567,6 +577,10 @@ class PiperOptions:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
         if (self.pad_multiple is not None and self.pad_multiple < 1) or self.max_piece_ids < 8:
             raise UsageError("pad_multiple must be at least 1 and max_piece_ids at least 8")
+        if not 0.0 <= self.stage2_efficiency <= 1.0:
+            raise UsageError("stage2_efficiency must be between 0 and 1")
+        if self.precision not in ("fp32", "int8"):
+            raise UsageError(f"--precision {self.precision!r}: Piper voices run in fp32 or int8")
 
 
 class PiperEngine(Engine):
@@ -609,7 +623,16 @@ class PiperEngine(Engine):
         self.pad_multiple = opts.pad_multiple or (1 if on_cpu else CUDA_PAD_MULTIPLE)
 
         self.model_sha256 = file_sha256(self.model_path)["sha256"]
-        graph = patch_graph(self.model_path.read_bytes(), conv2d=self.conv2d)
+        self.precision = opts.precision
+        model_file = self.model_path
+        if self.precision == "int8":
+            if not on_cpu:
+                raise UsageError("--precision int8 is for the CPU (its int8 kernels are onnxruntime's CPU ones); "
+                                 "on CUDA use fp32")
+            from ..piper_quant import cached_int8
+
+            model_file = cached_int8(self.model_path, self.config_path, voice_sha256=self.model_sha256)
+        graph = patch_graph(model_file.read_bytes(), conv2d=self.conv2d)
         self._graph = graph
 
         so = ort.SessionOptions()
@@ -625,6 +648,12 @@ class PiperEngine(Engine):
         self._input_names = {i.name for i in self._session.get_inputs()}
         self._output_names = [self._graph.length_output, "output"]
         self._channels = self._probe_noise_channels()
+        self.two_stage = opts.two_stage  # None: auto, decided per batch (_use_two_stage)
+        self.stage2_efficiency = opts.stage2_efficiency
+        self._two_stage = None  # the stage sessions (piper_split.TwoStage), opened on first use
+        self._two_stage_lock = threading.Lock()
+        if self.two_stage:  # asked for: a model that cannot be split fails now, not mid-run
+            self._stages()
 
     # -- set-up helpers --------------------------------------------------------------------
     def _speaker_id(self, speaker) -> int:
@@ -673,7 +702,14 @@ class PiperEngine(Engine):
             "noise_w": self.noise_w,
             "speaker": self.speaker,
             "max_piece_ids": self.max_piece_ids,
+            # fp32 adds nothing, so fingerprints of jobs from before int8 existed still match.
+            **(self._int8_describe() if self.precision == "int8" else {}),
         }
+
+    def _int8_describe(self) -> dict:
+        from ..piper_quant import describe
+
+        return describe(self.model_sha256)
 
     # -- text ------------------------------------------------------------------------------
     def phonemize(self, text: str) -> list[list[str]]:
@@ -740,34 +776,46 @@ class PiperEngine(Engine):
 
     # -- audio -----------------------------------------------------------------------------
     def _noise(self, pieces: Sequence[Piece], frame_allowance: float, input_width: int) -> dict:
-        """Per-item noise: item i's values depend only on its seed, never on the batch."""
+        """Per-item noise for the one-graph path, the frame axis sized by an allowance per id."""
         feeds = {}
         lengths = [len(p.ids) for p in pieces]
-        for k, (name, channels, on_frames) in enumerate(
-            zip(self._graph.noise_inputs, self._channels, self._graph.noise_on_frames, strict=True)
-        ):
+        for k, (name, on_frames) in enumerate(zip(self._graph.noise_inputs, self._graph.noise_on_frames, strict=True)):
             if on_frames:
                 times = [int(n * frame_allowance * max(self.length_scale, 0.1)) + 64 for n in lengths]
             else:
                 times = lengths
             width = max(times) if on_frames else input_width  # the phoneme axis may be padded
-            noise = np.zeros((len(pieces), channels, width), dtype=np.float32)
-            scale = self.noise_scale if on_frames else self.noise_w
-            if scale != 0.0:
-                for i, piece in enumerate(pieces):
-                    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([piece.seed, k])))
-                    # Draw time-major so the first t frames never depend on the allowance.
-                    noise[i, :, : times[i]] = rng.standard_normal((times[i], channels), dtype=np.float32).T
-            feeds[name] = noise
+            feeds[name] = self._noise_input(pieces, k, times, width)
         return feeds
 
-    def synthesize(self, units: Sequence[Unit]) -> Synthesised:
-        pieces = [u.payload for u in units]
+    def _noise_input(self, pieces: Sequence[Piece], k: int, times: Sequence[int], width: int) -> np.ndarray:
+        """Noise input k [B, C, width]: item i's first times[i] steps from its own stream, which
+        depends only on its seed, never on the batch; zeros after."""
+        channels = self._channels[k]
+        noise = np.zeros((len(pieces), channels, width), dtype=np.float32)
+        scale = self.noise_scale if self._graph.noise_on_frames[k] else self.noise_w
+        if scale != 0.0:
+            for i, piece in enumerate(pieces):
+                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([piece.seed, k])))
+                # Drawn time-major, so the first t steps never depend on how many are drawn.
+                noise[i, :, : times[i]] = rng.standard_normal((times[i], channels), dtype=np.float32).T
+        return noise
+
+    def _batch_inputs(self, pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray, int]:
         lengths = np.array([len(p.ids) for p in pieces], dtype=np.int64)
         width = -(-int(lengths.max()) // self.pad_multiple) * self.pad_multiple
         ids = np.zeros((len(pieces), width), dtype=np.int64)
         for i, piece in enumerate(pieces):
             ids[i, : len(piece.ids)] = piece.ids
+        return ids, lengths, width
+
+    def synthesize(self, units: Sequence[Unit]) -> Synthesised:
+        pieces = [u.payload for u in units]
+        if self._use_two_stage(len(pieces)):
+            stages = self._stages()
+            if stages is not None:
+                return self._synthesize_two_stage(stages, pieces)
+        ids, lengths, width = self._batch_inputs(pieces)
         feeds = self._feeds(ids, lengths)
         allowance = NOISE_FRAMES_PER_ID
         for attempt in range(3):
@@ -786,6 +834,73 @@ class PiperEngine(Engine):
         audio = audio.reshape(len(pieces), -1)
         out = [audio[i, : int(frames[i]) * hop].astype(np.float32, copy=True) for i in range(len(pieces))]
         return Synthesised(out, real_frames=int(frames.sum()), padded_frames=int(frames.max()) * len(pieces))
+
+    # -- two stages (piper_split) ------------------------------------------------------------
+    def _use_two_stage(self, batch: int) -> bool:
+        """Auto: two stages for batches of several pieces (a single piece gets the same audio,
+        bit for bit, from the one graph in one call). Measured faster at batch 32 on the CPU too
+        (benchmarks/piper_two_stage.py); at the CPU default of batch 1 it never opens."""
+        return batch > 1 if self.two_stage is None else self.two_stage
+
+    def _stages(self):
+        """The two stage sessions, opened once (thread-safe); None where auto found the model
+        cannot be split (the one graph then runs every batch)."""
+        with self._two_stage_lock:
+            if self._two_stage is None:
+                from .piper_split import TwoStage
+
+                try:
+                    self._two_stage = TwoStage(self._session, self._graph.model_bytes, self._graph.length_output,
+                                               self._probe_feeds)
+                except VoiceError as exc:
+                    if self.two_stage:
+                        raise
+                    log.warning("voice %s runs as one graph: %s", self.voice_name, exc)
+                    self._two_stage = False
+            return self._two_stage or None
+
+    def _probe_feeds(self, lengths: list[int], width: int) -> dict:
+        """Stage-1 feeds for a dummy batch of `lengths` phoneme ids padded to `width` (<= 9)."""
+        ids = np.zeros((len(lengths), width), dtype=np.int64)
+        for i, n in enumerate(lengths):
+            ids[i, :n] = [1, 0, 2, 0, 3, 0, 4, 0, 5][:n]
+        feeds = self._feeds(ids, np.array(lengths, dtype=np.int64))
+        for k, name in enumerate(self._graph.noise_inputs):
+            if not self._graph.noise_on_frames[k]:
+                feeds[name] = np.zeros((len(lengths), self._channels[k], width), dtype=np.float32)
+        return feeds
+
+    def _synthesize_two_stage(self, stages, pieces: Sequence[Piece]) -> Synthesised:
+        """Stage 1 on the whole batch; stage 2 per group of similar real frame counts."""
+        from .piper_split import group_by_frames
+
+        ids, lengths, width = self._batch_inputs(pieces)
+        feeds = self._feeds(ids, lengths)
+        for k, name in enumerate(self._graph.noise_inputs):
+            if not self._graph.noise_on_frames[k]:
+                feeds[name] = self._noise_input(pieces, k, lengths, width)
+        carried, frames = stages.align(feeds)
+        out: list = [None] * len(pieces)
+        padded = 0
+        hop = self.config.hop
+        for rows in group_by_frames(frames, self.stage2_efficiency):
+            group = [pieces[r] for r in rows]
+            need = [int(frames[r]) for r in rows]
+            direct = {}
+            for name in stages.split.stage2_inputs:
+                if name in self._graph.noise_inputs:
+                    direct[name] = self._noise_input(group, self._graph.noise_inputs.index(name), need, max(need))
+                elif name == "sid":
+                    direct[name] = feeds[name][rows]
+                else:
+                    direct[name] = feeds[name]
+            audio, got = stages.decode(carried, rows, lengths, direct, self.pad_multiple)
+            if list(got) != need:
+                raise VoiceError(f"two-stage frame counts {list(got)} differ from stage 1's {need}")
+            for g, r in enumerate(rows):
+                out[r] = audio[g, : need[g] * hop].astype(np.float32, copy=True)
+            padded += len(rows) * max(need)
+        return Synthesised(out, real_frames=int(frames.sum()), padded_frames=padded)
 
 
 def _pick(value, default: float) -> float:
