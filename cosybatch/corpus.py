@@ -275,8 +275,9 @@ class Corpus:
             return BadRow(index, _id_or_none(raw_id), f"line {index + 1} has no {c.text!r} field")
         voice = obj.get(c.voice) if self._has_voice else None
         prompts = {name: obj.get(name) for name in self._prompt_cols}
+        # instruct is read on every line: a field first seen after the sniffed lines still counts.
         return _make_row(index, raw_id, obj[c.text], voice, prompts.get(c.prompt_wav), prompts.get(c.prompt_text),
-                         prompts.get(c.instruct))
+                         obj.get(c.instruct))
 
     def rows_from_columns(self, data: dict, first_index: int) -> Iterator[Union[Row, BadRow]]:
         """Rows from a column batch {name: list} of a Parquet corpus, numbered from first_index."""

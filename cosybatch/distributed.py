@@ -123,7 +123,8 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
     if problems and not allow_partial:
         raise UsageError(f"cannot merge {root}: " + "; ".join(problems) + ". Run the missing workers "
                          "(each resumes), or pass --partial to merge what is finished.")
-    table = pa.concat_tables(tables) if tables else None
+    # Parts differ in optional columns (instruct) when only some of their rows have one.
+    table = pa.concat_tables(tables, promote_options="default") if tables else None
     ids = table.column("id").to_pylist() if table is not None else []
     if len(ids) != len(set(ids)):
         raise CorpusError(f"{root}: the parts share ids; were they run with different --shard counts?")

@@ -71,9 +71,14 @@ def export_hf(root: Path) -> Path:
     for stale in dest.glob("train-*.parquet"):  # an earlier export may have had more files
         stale.unlink()
     sample_rate = None
+    # Every file gets an instruct column when the job's manifest has one (some row had an instruction).
+    manifest = root / "manifest.parquet"
+    with_instruct = manifest.exists() and "instruct" in pq.read_schema(manifest).names
     # A worker whose shard of the corpus is empty still gets one (empty) file, so it loads.
     for n, shard in enumerate(paths or [None]):
         rows = {"audio": [], "id": [], "text": [], "duration": [], "sampling_rate": [], "voice": []}
+        if with_instruct:
+            rows["instruct"] = []
         for key, meta, wav in iter_shard(shard) if shard is not None else ():
             rows["audio"].append({"bytes": wav, "path": f"{key}.wav"})
             rows["id"].append(meta["id"])
@@ -81,6 +86,8 @@ def export_hf(root: Path) -> Path:
             rows["duration"].append(meta["duration"])
             rows["sampling_rate"].append(meta["sample_rate"])
             rows["voice"].append(meta["voice"])
+            if with_instruct:
+                rows["instruct"].append(meta.get("instruct"))
             sample_rate = sample_rate or meta["sample_rate"]
         features = {
             "audio": {"_type": "Audio", "sampling_rate": sample_rate},
@@ -90,11 +97,13 @@ def export_hf(root: Path) -> Path:
             "sampling_rate": {"dtype": "int32", "_type": "Value"},
             "voice": {"dtype": "string", "_type": "Value"},
         }
-        schema = pa.schema(
-            [("audio", pa.struct([("bytes", pa.binary()), ("path", pa.string())])), ("id", pa.string()),
-             ("text", pa.string()), ("duration", pa.float64()), ("sampling_rate", pa.int32()), ("voice", pa.string())],
-            metadata={"huggingface": json.dumps({"info": {"features": features}})},
-        )
+        fields = [("audio", pa.struct([("bytes", pa.binary()), ("path", pa.string())])), ("id", pa.string()),
+                  ("text", pa.string()), ("duration", pa.float64()), ("sampling_rate", pa.int32()),
+                  ("voice", pa.string())]
+        if with_instruct:
+            features["instruct"] = {"dtype": "string", "_type": "Value"}
+            fields.append(("instruct", pa.string()))
+        schema = pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": features}})})
         table = pa.table(rows, schema=schema)
         final = dest / f"train-{n:05d}-of-{max(len(paths), 1):05d}.parquet"
         tmp = final.with_name(f".{final.name}.tmp")
@@ -124,6 +133,8 @@ def export_nemo(root: Path) -> Path:
     for path, meta in _extract_wavs(root):
         entry = {"audio_filepath": os.path.relpath(path, dest), "duration": meta["duration"],
                  "text": meta["text"], "speaker": meta["voice"], "id": meta["id"]}
+        if "instruct" in meta:
+            entry["instruct"] = meta["instruct"]
         lines.append(json.dumps(entry, ensure_ascii=False))
     manifest = dest / "manifest.jsonl"
     write_atomic(manifest, "".join(line + "\n" for line in lines).encode())
@@ -145,7 +156,8 @@ def export_lhotse(root: Path) -> Path:
         supervisions.append({
             "id": rec_id, "recording_id": rec_id, "start": 0.0,
             "duration": meta["num_samples"] / meta["sample_rate"], "channel": 0, "text": meta["text"],
-            "speaker": meta["voice"], "custom": {"id": meta["id"]},
+            "speaker": meta["voice"],
+            "custom": {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {})},
         })
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()

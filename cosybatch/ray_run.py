@@ -157,7 +157,8 @@ def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
         for key, meta, _wav in iter_shard(shard):
             items.append({"key": key, "id": meta["id"], "shard": shard.name, "text": meta["text"],
                           "voice": meta["voice"], "duration_s": meta["duration"],
-                          "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"]})
+                          "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"],
+                          **({"instruct": meta["instruct"]} if "instruct" in meta else {})})
     failures = []
     for path in sorted((out.state / RAY_FAILURES_DIR).glob("*.jsonl")):
         failures += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -227,6 +227,8 @@ def _item_record(key: str, meta_bytes: bytes, wav_size: int) -> Optional[dict]:
         record = {"id": meta["id"], "key": key, "row": int(meta["row"]), "text": meta["text"],
                   "voice": meta["voice"], "duration_s": float(meta["duration"]),
                   "num_samples": int(meta["num_samples"]), "sample_rate": int(meta["sample_rate"])}
+        if isinstance(meta.get("instruct"), str):
+            record["instruct"] = meta["instruct"]
     except (ValueError, KeyError, TypeError):
         return None
     if not isinstance(record["id"], str) or item_key(record["id"]) != key or wav_size < 44 + 2 * record["num_samples"]:

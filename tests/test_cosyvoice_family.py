@@ -111,7 +111,8 @@ def test_instruct_rows_run_and_are_recorded(cosyvoice_dir, prompt_folder, tmp_pa
     ])
     out = tmp_path / "out"
     proc = cli("run", str(corpus), "--engine", "cosyvoice", "--model", str(cosyvoice_dir), "--out", str(out),
-               "--progress", "none", "--device", "cpu", "--instruct", "Speak fast.")
+               "--progress", "none", "--device", "cpu", "--instruct", "Speak fast.",
+               "--export", "hf,nemo")
     assert proc.returncode == 0, proc.stderr
     items = read_output(out)
     assert sorted(items) == ["cloned", "default", "plain", "told"]
@@ -120,6 +121,11 @@ def test_instruct_rows_run_and_are_recorded(cosyvoice_dir, prompt_folder, tmp_pa
     assert said == {"plain": "Speak fast.", "told": "Whisper it.", "cloned": "Sound happy.", "default": "Speak fast."}
     manifest = pq.read_table(out / "manifest.parquet").to_pylist()
     assert {m["id"]: m["instruct"] for m in manifest} == said
+    # The dataset exports carry it too.
+    hf = pq.read_table(next((out / "exports" / "hf" / "data").glob("*.parquet")), columns=["id", "instruct"])
+    assert dict(zip(hf.column("id").to_pylist(), hf.column("instruct").to_pylist(), strict=True)) == said
+    nemo = [json.loads(line) for line in (out / "exports" / "nemo" / "manifest.jsonl").read_text().splitlines()]
+    assert {e["id"]: e["instruct"] for e in nemo} == said
     for item in items.values():
         assert item["audio"].size > 0 and item["meta"]["num_samples"] == item["audio"].size
 
@@ -190,7 +196,9 @@ def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosy
     seg = told.payloads[0]
     # upstream's frontend_instruct: the instruction is the LM's prompt text, the LM gets no speaker
     # embedding, the flow keeps it.
-    assert seg.prompt_text_tokens == tuple(engine.tokenizer.encode("A calm narrator." + ENDOFPROMPT))
+    # The released 300M-Instruct frontend: the normalised instruction, then "<endofprompt>".
+    assert seg.prompt_text_tokens == tuple(engine.tokenizer.encode(engine._normalize("A calm narrator.")
+                                                                   + "<endofprompt>"))
     assert not seg.lm_embedding and not seg.lm_speech and seg.voice.embedding.shape == (192,)
     plain = engine.prepare("Hello there.", "a", VoiceRequest(speaker, None, None, True))
     assert plain.payloads[0].lm_embedding and plain.payloads[0].prompt_text_tokens == ()
@@ -225,6 +233,14 @@ def test_v3_zero_shot_cross_lingual_and_instruct_rows(cosyvoice_v3_dir, prompt_f
     assert not cross.payloads[0].lm_speech
     assert told.payloads[0].prompt_text_tokens == tuple(encode("You are a helpful assistant. Be quick.<|endofprompt|>"))
     assert not told.payloads[0].lm_speech
+    # Written the way upstream's examples write them, the system prompt is not doubled.
+    full = "You are a helpful assistant. Be quick.<|endofprompt|>"
+    as_upstream = engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", "A short prompt.", True, full))
+    assert as_upstream.payloads[0].prompt_text_tokens == told.payloads[0].prompt_text_tokens
+    upstream_prompt = VoiceRequest(None, "prompt.wav", "You are a helpful assistant.<|endofprompt|>A short prompt.",
+                                   True)
+    assert engine.prepare("Hello there.", "a", upstream_prompt).payloads[0].prompt_text_tokens == \
+        zero.payloads[0].prompt_text_tokens
 
     corpus = family_corpus(prompt_folder, "v3", [
         {"id": "zero-shot", "text": "Cloned from a prompt.", "prompt_wav": "prompt.wav",
@@ -258,3 +274,37 @@ def test_v3_sft_speakers_when_the_folder_has_them(cosyvoice_v3_dir, cosyvoice_di
     units = [Unit(0, 0, prepared.costs[0], "", seg)]
     audio = engine.synthesize(units).audio[0]
     assert audio.size > 0 and audio.size % 960 == 0 and np.isfinite(audio).all()
+
+
+# -- details -------------------------------------------------------------------------------------
+def test_variant_reads_the_path_as_given(tmp_path):
+    from cosybatch.cosyvoice.family import V1, variant
+
+    snapshot = tmp_path / "models--FunAudioLLM--CosyVoice-300M-Instruct" / "snapshots" / "4f1c2a"
+    snapshot.mkdir(parents=True)
+    assert variant(snapshot, V1) == "CosyVoice-300M-Instruct"  # a Hugging Face snapshot folder
+    plain = tmp_path / "weights"
+    plain.mkdir()
+    link = tmp_path / "CosyVoice-300M-SFT"
+    link.symlink_to(plain)
+    assert variant(link, V1) == "CosyVoice-300M-SFT" and variant(plain, V1) == "CosyVoice-300M"
+
+
+def test_jsonl_instruct_is_read_past_the_sniffed_lines(tmp_path):
+    from cosybatch.corpus import JSONL_SNIFF_ROWS, Corpus
+
+    rows = [{"id": f"r{i}", "text": "Hello."} for i in range(JSONL_SNIFF_ROWS + 20)]
+    rows[-1]["instruct"] = "  Whisper it.  "
+    got = {r.id: r.instruct for r in Corpus(write_jsonl(tmp_path / "late.jsonl", rows))}
+    assert got[f"r{JSONL_SNIFF_ROWS + 19}"] == "Whisper it." and got["r0"] is None
+
+
+def test_default_instruction_is_cleaned_and_fingerprinted(cosyvoice_dir):
+    def describe(instruct):
+        options = CosyVoiceOptions(model=cosyvoice_dir, speaker="alice", instruct=instruct)
+        return open_engine("cosyvoice", None, EngineOptions(device="cpu", engine=options)).describe()
+
+    plain = describe(None)
+    assert "instruct" not in plain and describe("   ") == plain  # blank: no instruction
+    # A changed --instruct changes the fingerprint, so a resume with another one is refused.
+    assert describe(" Speak fast. ")["instruct"] == "Speak fast."

@@ -8,6 +8,7 @@ Anything else is refused with what was found.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ V3 = Family(3, "Fun-CosyVoice3-0.5B", "cosyvoice3.yaml", "CosyVoice3LM", "Causal
             system_prompt="You are a helpful assistant.")
 FAMILIES = (V1, V2, V3)
 ENDOFPROMPT = "<|endofprompt|>"
+# What CosyVoice-300M-Instruct's released frontend ends an instruction with (a plain-text marker:
+# whisper's tokenizer has no <|endofprompt|> token).
+V1_ENDOFPROMPT = "<endofprompt>"
 
 
 class UnknownModel(ValueError):
@@ -89,14 +93,18 @@ def _yaml_name(name: str) -> str:
     return next(f.yaml for f in FAMILIES if f.name == name)
 
 
-VARIANTS = (("instruct", "Instruct"), ("sft", "SFT"), ("25hz", "25Hz"))
+VARIANTS = (("-instruct", "Instruct"), ("-sft", "SFT"), ("-25hz", "25Hz"))
 
 
 def variant(model_dir: Path, family: Family) -> str:
-    """The release variant the folder's name says (CosyVoice-300M-SFT, -Instruct, -25Hz). Their yaml
-    is the same, so this is for reports and for whether a v1 folder takes instructions."""
-    name = model_dir.resolve().name.lower()
-    for marker, label in VARIANTS:
-        if marker in name:
-            return f"{family.name}-{label}"
+    """The release variant the folder's path says (CosyVoice-300M-SFT, -Instruct, -25Hz): its own
+    name first, then the folders above it as given (a Hugging Face snapshot is named by a commit
+    hash under models--FunAudioLLM--CosyVoice-300M-Instruct/), then the name a symlink resolves
+    to. The variants' yaml is the same, so this is for reports and for whether a v1 folder takes
+    instructions (upstream checks '-Instruct' in the path too)."""
+    names = [*reversed(Path(os.path.abspath(model_dir)).parts), model_dir.resolve().name]
+    for name in names:
+        for marker, label in VARIANTS:
+            if marker in name.lower():
+                return f"{family.name}-{label}"
     return family.name

@@ -121,7 +121,11 @@ class CosyVoiceEngine(Engine):
         opts: CosyVoiceOptions = options.engine
         if opts.flow_backend == "tensorrt":
             check_flow_backend(opts.flow_backend, "cuda")
-        return check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text, opts.instruct)
+        report = check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text, opts.instruct)
+        if opts.flow_backend != "torch" and report["version"] != 2:
+            raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: the ONNX export covers CosyVoice2's "
+                             f"flow estimator only, not {report['family']}'s; use torch")
+        return report
 
     def __init__(self, voice: Optional[str], options: EngineOptions):
         import torch
@@ -131,6 +135,7 @@ class CosyVoiceEngine(Engine):
         from ..cosyvoice.llm import Sampling
         from ..cosyvoice.model import ModelDirError, load_lm, load_text_tokenizer, read_config
         from ..cosyvoice.text import normalize
+        from ..cosyvoice.text_v1 import TokenizerNotInstalled
         from ..cosyvoice.token2wav import PRECISIONS, Token2Wav
 
         opts: CosyVoiceOptions = options.engine
@@ -176,7 +181,7 @@ class CosyVoiceEngine(Engine):
             self.t2w = Token2Wav(config, self.device, precision, flow_backend=opts.flow_backend)
         except FlowBackendError as exc:
             raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: {exc}") from None
-        except (ModelDirError, OSError, ValueError) as exc:
+        except (ModelDirError, OSError, ValueError, TokenizerNotInstalled) as exc:
             raise UsageError(f"--model {self.model_dir}: {exc}") from None
         providers = None
         if self.device == "cuda":
@@ -188,7 +193,9 @@ class CosyVoiceEngine(Engine):
         self.voices = VoiceBank(self.model_dir, providers=providers, mel=config.mel,
                                 speech_tokenizer=self.family.speech_tokenizer, mel_per_token=config.token_mel_ratio)
         self._prompt_tokens: dict[tuple[str, Optional[str]], tuple[int, ...]] = {}
-        self.default_instruct = opts.instruct
+        from ..corpus import clean_text
+
+        self.default_instruct = clean_text(opts.instruct) or None if opts.instruct is not None else None
         from ..cosyvoice.family import variant
 
         self.variant = variant(self.model_dir, self.family)
@@ -251,8 +258,10 @@ class CosyVoiceEngine(Engine):
         tokens = self._tokens_per_text_token() * text_len
         units = rows * tokens
         embedding = torch.zeros(192)
-        requests = [LMRequest(text=list(range(100, 100 + text_len)), seed=i, min_tokens=8, max_tokens=8,
-                              embedding=embedding)
+        # CosyVoice3's LM refuses a prompt without <|endofprompt|>: the probe's carries the system prompt.
+        prompt_text = self._lm_prompt_text(None, None)
+        requests = [LMRequest(text=list(range(100, 100 + text_len)), prompt_text=prompt_text, seed=i, min_tokens=8,
+                              max_tokens=8, embedding=embedding)
                     for i in range(rows)]
         items = [FlowInput(torch.arange(tokens) % self.lm.speech_token_size, embedding) for _ in range(rows)]
         mels = self.t2w.mels(items)
@@ -292,6 +301,7 @@ class CosyVoiceEngine(Engine):
             "max_segment_tokens": self.max_segment_tokens,
             # Only when not the default, so fingerprints of earlier runs stay valid.
             **({"flow_backend": self.flow_backend} if self.flow_backend != "torch" else {}),
+            **({"instruct": self.default_instruct} if self.default_instruct is not None else {}),
         }
 
     def memory_plan(self) -> MemoryPlan:
@@ -342,24 +352,36 @@ class CosyVoiceEngine(Engine):
         return None
 
     def _lm_prompt_text(self, voice, instruct: Optional[str]) -> tuple[int, ...]:
-        """The LM's prompt text for a voice and instruction, as upstream's frontends build it:
-        zero-shot: the prompt's transcript (CosyVoice3: after its system prompt); instruct: the
-        instruction, ended by <|endofprompt|>. Text holding a <|...|> tag is not normalised (upstream's rule)."""
-        from ..cosyvoice.family import ENDOFPROMPT
+        """The LM's prompt text for a voice (None: no voice's transcript) and instruction, as
+        upstream's frontends build it:
+        - zero-shot: the prompt's transcript; instruct: the instruction, ended by <|endofprompt|>
+          (CosyVoice-300M-Instruct: normalised, then <endofprompt>, as its release's frontend does);
+        - CosyVoice3: its system prompt and <|endofprompt|> first, unless the text already holds
+          <|endofprompt|> (upstream's examples write them into the text).
+        Text holding a <|...|> tag is not normalised (upstream's rule)."""
+        from ..cosyvoice.family import ENDOFPROMPT, V1_ENDOFPROMPT
 
-        key = (voice.key, instruct)
+        transcript = voice.prompt_text if voice is not None else ""
+        key = (voice.key if voice is not None else "", instruct)
         cached = self._prompt_tokens.get(key)
         if cached is not None:
             return cached
         system = self.family.system_prompt
-        if instruct is not None:
-            text = instruct if instruct.rstrip().endswith(ENDOFPROMPT) else instruct.rstrip() + ENDOFPROMPT
-            text = f"{system} {text}" if system else text
-        elif voice.prompt_text:
-            text = f"{system}{ENDOFPROMPT}{voice.prompt_text}" if system else voice.prompt_text
+        if instruct is not None and self.family.instruct == "speaker":
+            text = instruct.rstrip()
+            if not text.endswith((ENDOFPROMPT, V1_ENDOFPROMPT)):
+                text = self._normalize(text) + V1_ENDOFPROMPT
+        elif instruct is not None:
+            text = instruct.rstrip()
+            if not text.endswith(ENDOFPROMPT):
+                text += ENDOFPROMPT
+            if system and not text.startswith(system) and text.count(ENDOFPROMPT) == 1:
+                text = f"{system} {text}"
+        elif system and ENDOFPROMPT not in transcript:
+            text = f"{system}{ENDOFPROMPT}{transcript}"
         else:
-            text = f"{system}{ENDOFPROMPT}" if system else ""
-        if text and not ("<|" in text and "|>" in text):
+            text = transcript
+        if text and not ("<|" in text and "|>" in text) and not text.endswith(V1_ENDOFPROMPT):
             text = self._normalize(text)
         cached = self._prompt_tokens[key] = tuple(self.tokenizer.encode(text)) if text else ()
         return cached
@@ -379,6 +401,8 @@ class CosyVoiceEngine(Engine):
         except ValueError as exc:
             raise RowRejected(str(exc)) from None
         prompt_text = self._lm_prompt_text(chosen, instruct)
+        if len(self._prompt_tokens) > 4096:  # one entry per (voice, instruction): bounded
+            self._prompt_tokens.clear()
         # The LM reads the prompt's speech tokens in zero-shot mode only: a prompt given without its
         # transcript is upstream's cross-lingual mode, and instruct mode replaces the transcript.
         lm_speech = chosen.prompt_tokens is not None and bool(chosen.prompt_text) and instruct is None
@@ -504,6 +528,13 @@ def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path],
         raise UsageError(f"--model {model}: missing {', '.join(missing)}; {family.yaml} says this is a "
                          f"{family.name} folder, which holds them")
     kind = variant(Path(model), family)
+    if family.text_tokenizer == "whisper":
+        from ..cosyvoice.text_v1 import TokenizerNotInstalled, whisper_vocab_path
+
+        try:
+            whisper_vocab_path()
+        except TokenizerNotInstalled as exc:
+            raise UsageError(f"--model {model}: {exc}") from None
     if instruct is not None and family.instruct == "speaker" and "Instruct" not in kind:
         raise UsageError(f"--instruct: this {kind} folder cannot follow instructions; use CosyVoice-300M-Instruct, "
                          "CosyVoice2 or CosyVoice3")
