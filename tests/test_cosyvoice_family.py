@@ -308,3 +308,23 @@ def test_default_instruction_is_cleaned_and_fingerprinted(cosyvoice_dir):
     assert "instruct" not in plain and describe("   ") == plain  # blank: no instruction
     # A changed --instruct changes the fingerprint, so a resume with another one is refused.
     assert describe(" Speak fast. ")["instruct"] == "Speak fast."
+
+
+def test_merge_joins_parts_with_and_without_instructions(tmp_path):
+    """With --shard, one worker's rows may all lack an instruction: its manifest has no instruct
+    column while another's has one; the merged manifest keeps every row and fills the gap."""
+    from cosybatch.checkpoint import write_manifest_table
+    from cosybatch.distributed import merge
+
+    def record(i: int, **extra) -> dict:
+        return {"key": f"k{i}", "id": f"r{i}", "shard": "shard-000000.tar", "text": "Hello.", "voice": "spk:alice",
+                "duration_s": 1.0, "num_samples": 24000, "sample_rate": 24000, "row": i, **extra}
+
+    for index, records in enumerate([[record(0, instruct="Whisper it."), record(1)], [record(2)]]):
+        part = tmp_path / f"part-{index:05d}-of-00002"
+        part.mkdir()
+        (part / "stats.json").write_text(json.dumps({"status": "complete"}))
+        write_manifest_table(part, records)
+    assert merge(tmp_path)["items"] == 3
+    merged = pq.read_table(tmp_path / "manifest.parquet").to_pylist()
+    assert {m["id"]: m["instruct"] for m in merged} == {"r0": "Whisper it.", "r1": None, "r2": None}
