@@ -166,6 +166,8 @@ def test_v1_check_reports_the_family(cosyvoice_v1_dir, cosyvoice_v1_instruct_dir
     assert check_setup(cosyvoice_v1_instruct_dir, None, None, None, "Be calm.")["family"] == "CosyVoice-300M-Instruct"
     with pytest.raises(UsageError, match="CosyVoice-300M-SFT folder cannot follow instructions"):
         check_setup(cosyvoice_v1_dir, None, None, None, "Be calm.")
+    with pytest.raises(UsageError, match="the ONNX export covers CosyVoice2's flow estimator only, not CosyVoice-300M"):
+        check_setup(cosyvoice_v1_dir, None, None, None, flow_backend="onnx")
 
 
 def test_v1_sft_zero_shot_and_cross_lingual_rows(cosyvoice_v1_dir, prompt_folder, tmp_path):

@@ -353,6 +353,10 @@ class CausalMaskedDiffWithDiT(nn.Module):
         self.decoder = decoder
         self._noise: Tensor | None = None
 
+    def mel_frames(self, n_tokens: int) -> int:
+        """Mel frames this flow makes from ``n_tokens`` speech tokens (a fixed ratio, as v2's)."""
+        return self.token_mel_ratio * n_tokens
+
     def noise(self, frames: int, device: torch.device) -> Tensor:
         """Upstream's fixed starting noise (1, 80, frames), fp32, cached on the CPU."""
         if self._noise is None or self._noise.size(2) < frames:

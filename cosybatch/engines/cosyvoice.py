@@ -121,11 +121,8 @@ class CosyVoiceEngine(Engine):
         opts: CosyVoiceOptions = options.engine
         if opts.flow_backend == "tensorrt":
             check_flow_backend(opts.flow_backend, "cuda")
-        report = check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text, opts.instruct)
-        if opts.flow_backend != "torch" and report["version"] != 2:
-            raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: the ONNX export covers CosyVoice2's "
-                             f"flow estimator only, not {report['family']}'s; use torch")
-        return report
+        return check_setup(opts.model, opts.speaker or voice, opts.prompt_wav, opts.prompt_text, opts.instruct,
+                           opts.flow_backend)
 
     def __init__(self, voice: Optional[str], options: EngineOptions):
         import torch
@@ -172,9 +169,7 @@ class CosyVoiceEngine(Engine):
             config = read_config(self.model_dir)
             self.family = config.family
             self.config = config
-            if opts.flow_backend != "torch" and config.family.version != 2:
-                raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: the ONNX export covers "
-                                 f"CosyVoice2's flow estimator only, not {config.family.name}'s; use torch")
+            check_flow_backend(opts.flow_backend, None, config.family)
             self.sampling = Sampling.from_yaml(config.llm)
             self.tokenizer = load_text_tokenizer(config)
             self.lm = load_lm(config, self.device, PRECISIONS[precision] or torch.float32)
@@ -278,15 +273,11 @@ class CosyVoiceEngine(Engine):
         return 2 * self.max_segment_tokens
 
     def _slot_capacity(self) -> int:
-        prompt = PROMPT_SECONDS_RESERVED * self.family.token_rate + PROMPT_TEXT_RESERVED
+        prompt = PROMPT_SECONDS_RESERVED * self.config.token_frame_rate + PROMPT_TEXT_RESERVED
         return prompt + 21 * self._longest_segment() + 1
 
     def _tokens_per_text_token(self) -> int:
-        return TOKENS_PER_TEXT_TOKEN * self.family.token_rate // 25
-
-    def _mel_frames(self, tokens: int) -> int:
-        """Mel frames the flow makes of ``tokens`` speech tokens."""
-        return int(tokens / self.family.token_rate * self.sample_rate / self.config.mel.hop)
+        return TOKENS_PER_TEXT_TOKEN * self.config.token_frame_rate // 25
 
     def describe(self) -> dict:
         return {
@@ -444,12 +435,13 @@ class CosyVoiceEngine(Engine):
             for s, t in zip(segs, tokens, strict=True)
         ]
         # Mel frames each item's flow computes: its prompt's and its own.
-        frames = {i: self._mel_frames(len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
+        mel_frames = self.t2w.flow.mel_frames
+        frames = {i: mel_frames(len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
                   for i, (s, t) in enumerate(zip(segs, tokens, strict=True)) if t}
         audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
         mels: dict[int, object] = {}
         by_frames = sorted(frames, key=lambda i: -frames[i])
-        budget = self.flow_batch * flow_cost(self._mel_frames(self._tokens_per_text_token() * self.max_segment_tokens))
+        budget = self.flow_batch * flow_cost(mel_frames(self._tokens_per_text_token() * self.max_segment_tokens))
         for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
             for i, mel in zip(chunk, split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c],
                                                                        [segs[i].seed for i in c])),
@@ -464,9 +456,15 @@ class CosyVoiceEngine(Engine):
         return Synthesised(audio, lm_stats.live_slot_steps, lm_stats.slot_steps)
 
 
-def check_flow_backend(backend: str, device: str) -> None:
-    """UsageError when ``backend`` cannot run on ``device`` (a missing provider or package)."""
+def check_flow_backend(backend: str, device: Optional[str], family=None) -> None:
+    """UsageError when ``backend`` cannot run ``family``'s flow (the ONNX export covers CosyVoice2's
+    estimator only) or cannot run on ``device`` (a missing provider or package; None: not checked)."""
     if backend == "torch":
+        return
+    if family is not None and family.version != 2:
+        raise UsageError(f"--engine-opt flow_backend={backend}: the ONNX export covers CosyVoice2's flow "
+                         f"estimator only, not {family.name}'s; use torch")
+    if device is None:
         return
     from ..cosyvoice.flow_onnx import FlowBackendError, check_backend
 
@@ -511,7 +509,7 @@ def stage_batches(order: list[int], cost: dict[int, float], max_items: int,
 
 
 def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path], prompt_text: Optional[str],
-                instruct: Optional[str] = None) -> dict:
+                instruct: Optional[str] = None, flow_backend: str = "torch") -> dict:
     """What ``run --check`` verifies without loading weights: which CosyVoice the folder holds, its
     files and yaml, the default speaker, the default prompt audio."""
     from ..cosyvoice.family import variant
@@ -523,6 +521,7 @@ def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path],
     except ModelDirError as exc:
         raise UsageError(f"--model {model}: {exc}") from None
     family = config.family
+    check_flow_backend(flow_backend, None, family)
     missing = [name for name in family.files if not (Path(model) / name).is_file()]
     if missing:
         raise UsageError(f"--model {model}: missing {', '.join(missing)}; {family.yaml} says this is a "
