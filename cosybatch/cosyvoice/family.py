@@ -39,9 +39,6 @@ class Family:
         common = ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", self.speech_tokenizer)
         return common + (("CosyVoice-BlankEN/config.json",) if self.text_tokenizer == "qwen" else ())
 
-    def describe(self) -> dict[str, Any]:
-        return {"family": self.name, "version": self.version}
-
 
 V1 = Family(1, "CosyVoice-300M", "cosyvoice.yaml", "TransformerLM", "MaskedDiffWithXvec", "HiFTGenerator",
             "speech_tokenizer_v1.onnx", "whisper", 50, "speaker")

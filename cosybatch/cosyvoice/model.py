@@ -20,8 +20,6 @@ from .features import MelSettings
 from .hift import HiFT, load_hift_state
 from .yamlconf import Call, expect, load_yaml
 
-REQUIRED_FILES = ("flow.pt", "hift.pt")
-
 
 class ModelDirError(ValueError):
     """The model directory is missing a file or holds something we cannot load; says which."""
