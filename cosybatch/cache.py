@@ -12,7 +12,8 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -64,3 +65,25 @@ def find_cached(folder: Path, key: str, suffix: str = ".onnx") -> Optional[Path]
         with contextlib.suppress(OSError):
             path.unlink()
     return None
+
+
+def cached_file(folder: Path, key: str, build: Callable[[Path], None], suffix: str = ".onnx") -> Path:
+    """The cached file of ``key`` in ``folder``: found (its bytes checked against its name), or made
+    once under ``KEY.lock`` by ``build(tmp)`` writing a temporary file that is then named after its
+    sha256 and renamed into place. OSError propagates: the caller says which cache is unusable."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with locked(folder / f"{key}.lock"):
+        found = find_cached(folder, key, suffix)
+        if found is not None:
+            return found
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}-", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            build(Path(tmp))
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache file is as readable as any other
+            path = folder / f"{key}-{sha256_hex(Path(tmp))[:32]}{suffix}"
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return path

@@ -20,12 +20,9 @@ machine build it once and share it. ``cosybatch quantize`` builds it ahead of a 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from .cache import cache_root, find_cached, locked
+from .cache import cache_root, cached_file
 from .checkpoint import file_sha256
 from .errors import UsageError
 
@@ -242,27 +239,14 @@ def cached_int8(model_path: Path, config_path: Path, variant: str = DEFAULT_VARI
     folder = Path(folder) if folder is not None else cache_root() / CACHE_FOLDER
     voice_sha256 = voice_sha256 or file_sha256(model_path)["sha256"]
     key = cache_key(voice_sha256, variant, sentences)
+
+    def build(tmp: Path) -> None:
+        log.info("building the INT8 model of %s (variant %s, once per voice) into %s", model_path.name,
+                 variant, folder)
+        quantize_voice(model_path, config_path, tmp, variant, read_sentences(CALIBRATION_TEXT)[:sentences])
+
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with locked(folder / f"{key}.lock"):
-            found = find_cached(folder, key, ".onnx")
-            if found is not None:
-                return found
-            log.info("building the INT8 model of %s (variant %s, once per voice) into %s", model_path.name,
-                     variant, folder)
-            fd, tmp = tempfile.mkstemp(prefix=f".{key}-", suffix=".tmp", dir=folder)
-            os.close(fd)
-            try:
-                calibration = read_sentences(CALIBRATION_TEXT)[:sentences]
-                quantize_voice(model_path, config_path, Path(tmp), variant, calibration)
-                os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache file is as readable as any other
-                digest = file_sha256(Path(tmp))["sha256"][:32]
-                path = folder / f"{key}-{digest}.onnx"
-                os.replace(tmp, path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            return path
+        return cached_file(folder, key, build)
     except OSError as exc:
         raise UsageError(f"the INT8 cache folder {folder} is not usable ({exc}); set XDG_CACHE_HOME to a "
                          "writable folder") from None

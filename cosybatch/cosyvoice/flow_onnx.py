@@ -21,13 +21,10 @@ with the folder's weights loaded as tensors.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..cache import cache_root, locked
-from ..cache import find_cached as _find_cached
+from ..cache import cache_root, cached_file, sha256_hex
 
 BACKENDS = ("torch", "onnx", "tensorrt")
 INPUT_NAMES = ("x", "mask", "mu", "t", "spks", "cond")
@@ -137,14 +133,6 @@ def check_backend(backend: str, device: torch.device | str) -> None:
 # Export and cache
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def export_key(flow_pt: Path, estimator_config: Any, dtype: torch.dtype) -> str:
     """What the exported graph depends on, hashed: the weights, the settings, our code, the tools."""
     import onnxscript
@@ -152,10 +140,10 @@ def export_key(flow_pt: Path, estimator_config: Any, dtype: torch.dtype) -> str:
     here = Path(__file__).resolve().parent
     parts = {
         "format": FORMAT_VERSION,
-        "flow_pt": _sha256(flow_pt),
+        "flow_pt": sha256_hex(flow_pt),
         "estimator": estimator_config,
         # The graph is traced from our modules: a change in them must not reuse an old export.
-        "code": {name: _sha256(here / name) for name in ("flow.py", "flow_onnx.py")},
+        "code": {name: sha256_hex(here / name) for name in ("flow.py", "flow_onnx.py")},
         "exporter": {"torch": torch.__version__, "onnxscript": onnxscript.__version__, "dynamo": True},
         "dtype": _DTYPE_NAMES[dtype],
     }
@@ -201,30 +189,18 @@ def cached_export(estimator: torch.nn.Module, flow_pt: Path, estimator_config: A
     """The estimator's ONNX file from the cache, exported (once, atomically) when missing or damaged."""
     folder = Path(folder) if folder is not None else cache_root() / "flow-onnx"
     key = export_key(flow_pt, estimator_config, dtype)
+
+    def build(tmp: Path) -> None:
+        log.info("exporting the flow estimator to ONNX (%s, once per checkpoint) into %s", _DTYPE_NAMES[dtype],
+                 folder)
+        try:
+            export_estimator(estimator, tmp, dtype)
+        except Exception as exc:  # the exporter raises many types; none is the user's to debug
+            raise FlowBackendError(f"exporting the flow estimator to ONNX failed ({type(exc).__name__}: "
+                                   f"{str(exc)[:500]}); use flow_backend=torch") from exc
+
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with locked(folder / f"{key}.lock"):
-            found = _find_cached(folder, key, ".onnx")
-            if found is not None:
-                return found
-            log.info("exporting the flow estimator to ONNX (%s, once per checkpoint) into %s", _DTYPE_NAMES[dtype],
-                     folder)
-            fd, tmp = tempfile.mkstemp(prefix=f".{key}-", suffix=".tmp", dir=folder)
-            os.close(fd)
-            try:
-                try:
-                    export_estimator(estimator, Path(tmp), dtype)
-                except Exception as exc:  # the exporter raises many types; none is the user's to debug
-                    raise FlowBackendError(f"exporting the flow estimator to ONNX failed ({type(exc).__name__}: "
-                                           f"{str(exc)[:500]}); use flow_backend=torch") from exc
-                os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache file is as readable as any other
-                digest = _sha256(Path(tmp))[:32]
-                path = folder / f"{key}-{digest}.onnx"
-                os.replace(tmp, path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            return path
+        return cached_file(folder, key, build)
     except OSError as exc:
         raise FlowBackendError(f"the flow's ONNX cache folder {folder} is not usable ({exc}); set XDG_CACHE_HOME "
                                "to a writable folder") from None
