@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import flow
 from .llm import CHECK_EVERY, Cache, DecoderLM, LMRequest, Sampling, SlotPool
 from .yamlconf import Call, expect, load_yaml
 
@@ -51,7 +52,7 @@ def distance_table(size: int, dim: int) -> Tensor:
     return table
 
 
-class RelPositionAttention(nn.Module):
+class RelPositionAttention(flow.RelPositionAttention):
     """Multi-head self-attention with Transformer-XL relative positions (ESPnet's ``rel_selfattn``).
 
     ``forward`` takes each query's absolute position and a projected distance table ``(heads, N,
@@ -59,17 +60,9 @@ class RelPositionAttention(nn.Module):
     only occur where the mask hides the key, so they are clamped to 0 rather than tabulated."""
 
     def __init__(self, heads: int, dim: int, key_bias: bool = True):
-        super().__init__()
         if dim % heads:
             raise ValueError(f"output_size {dim} is not a multiple of attention_heads {heads}")
-        self.h, self.d_k = heads, dim // heads
-        self.linear_q = nn.Linear(dim, dim)
-        self.linear_k = nn.Linear(dim, dim, bias=key_bias)
-        self.linear_v = nn.Linear(dim, dim)
-        self.linear_out = nn.Linear(dim, dim)
-        self.linear_pos = nn.Linear(dim, dim, bias=False)
-        self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.d_k))
-        self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.d_k))
+        super().__init__(heads, dim, key_bias)  # the flow encoder's parameters, under the same names
 
     def project(self, table: Tensor) -> Tensor:
         """(N, dim) distance sinusoids -> (heads, N, d_k) through ``linear_pos``."""
