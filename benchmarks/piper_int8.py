@@ -99,7 +99,7 @@ def units(engine, texts: list[str]) -> list[list[Unit]]:
     out = []
     for row, text in enumerate(texts):
         p = engine.prepare(text, f"h{row:04d}")
-        out.append([Unit(row, part, c, "", pl) for part, (c, pl) in enumerate(zip(p.costs, p.payloads, strict=True))])
+        out.append([Unit(row, part, q.cost, "", q.payload) for part, q in enumerate(p.pieces)])
     return out
 
 

@@ -48,8 +48,8 @@ def engines(int8_cache):
 
 def synth(engine, text: str, item_id: str) -> np.ndarray:
     prepared = engine.prepare(text, item_id)
-    units = [Unit(0, part, cost, "", payload)
-             for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+    units = [Unit(0, part, piece.cost, "", piece.payload)
+             for part, piece in enumerate(prepared.pieces)]
     return np.concatenate(engine.synthesize(units).audio)
 
 

@@ -29,8 +29,8 @@ def units_for(engine, texts, prefix="id"):
     units = []
     for row, text in enumerate(texts):
         prepared = engine.prepare(text, f"{prefix}-{row}")
-        units += [Unit(row, part, cost, "", payload)
-                  for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+        units += [Unit(row, part, piece.cost, "", piece.payload)
+                  for part, piece in enumerate(prepared.pieces)]
     return units
 
 

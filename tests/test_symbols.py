@@ -142,7 +142,7 @@ def test_the_engine_speaks_and_stores_the_spoken_form(engine):
     prepared = engine.prepare("Water boils at 100°C. 😀", "water")
     assert prepared.text == "Water boils at 100 degrees Celsius."
     celsius = engine.prepare("Water boils at 100 degrees Celsius.", "water")
-    assert [list(p.ids) for p in prepared.payloads] == [list(p.ids) for p in celsius.payloads]
+    assert [list(p.payload.ids) for p in prepared.pieces] == [list(p.payload.ids) for p in celsius.pieces]
     with pytest.raises(RowRejected, match="nothing pronounceable"):
         engine.prepare("😀 👍🏽 ✓", "emoji-only")
 

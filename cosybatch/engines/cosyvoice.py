@@ -22,7 +22,7 @@ import numpy as np
 from ..checkpoint import file_fingerprint
 from ..errors import UsageError
 from ..plan import Unit
-from . import Engine, EngineOptions, MemoryPlan, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
+from . import Engine, EngineOptions, MemoryPlan, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
 
 # GPU memory: what the pool leaves outside torch (cuDNN workspaces, the CUDA context's growth,
 # onnxruntime's speech tokenizer), and onnxruntime's own cap within it.
@@ -406,7 +406,8 @@ class CosyVoiceEngine(Engine):
                                     lm_speech=lm_speech, lm_embedding=instruct is None))
             costs.append(max(1, per_token * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
-        return Prepared(tuple(costs), tuple(payloads), spoken, voice=chosen.key, instruct=instruct)
+        return Prepared(tuple(Piece(c, p) for c, p in zip(costs, payloads, strict=True)), spoken, voice=chosen.key,
+                        instruct=instruct)
 
     # -- audio --------------------------------------------------------------------------------
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:

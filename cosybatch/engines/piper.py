@@ -28,7 +28,7 @@ import numpy as np
 from ..checkpoint import file_sha256
 from ..errors import UsageError, VoiceError
 from ..plan import Unit
-from . import Engine, EngineOptions, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
+from . import Engine, EngineOptions, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
 
 log = logging.getLogger("cosybatch")
 
@@ -45,8 +45,8 @@ SAFE_VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
-class Piece:
-    """One sentence (or part of one) as phoneme ids, with the seed of its noise."""
+class PhonemeIds:
+    """One sentence (or part of one) as phoneme ids, with the seed of its noise: a piece's payload."""
 
     ids: np.ndarray  # int64 [T]
     seed: int
@@ -759,7 +759,7 @@ class PiperEngine(Engine):
                 sample = "".join(foreign[:10])
                 raise RowRejected(f"characters this voice ({self.config.espeak_voice}) cannot speak: "
                                   f"{sample!r}; route the row to a voice for that language")
-        costs, payloads = [], []
+        pieces: list[Piece] = []
         for phonemes in self.phonemize(text):
             # Pieces with no letter-like phoneme (only punctuation and spaces) make no sound.
             if not any(p.strip() and p not in ".,:;!?¡¿—…\"'()-" for p in phonemes):
@@ -767,15 +767,14 @@ class PiperEngine(Engine):
             ids, _missing = self.phonemes_to_ids(phonemes)
             if len(ids) <= 3:
                 continue
-            part = len(payloads)
-            payloads.append(Piece(ids, item_seed(self.seed, item_id, part)))
-            costs.append(len(ids))
-        if not payloads:
+            seed = item_seed(self.seed, item_id, len(pieces))
+            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed)))
+        if not pieces:
             raise RowRejected("nothing pronounceable in the text for this voice")
-        return Prepared(tuple(costs), tuple(payloads), text)
+        return Prepared(tuple(pieces), text)
 
     # -- audio -----------------------------------------------------------------------------
-    def _noise(self, pieces: Sequence[Piece], frame_allowance: float, input_width: int) -> dict:
+    def _noise(self, pieces: Sequence[PhonemeIds], frame_allowance: float, input_width: int) -> dict:
         """Per-item noise for the one-graph path, the frame axis sized by an allowance per id."""
         feeds = {}
         lengths = [len(p.ids) for p in pieces]
@@ -788,7 +787,7 @@ class PiperEngine(Engine):
             feeds[name] = self._noise_input(pieces, k, times, width)
         return feeds
 
-    def _noise_input(self, pieces: Sequence[Piece], k: int, times: Sequence[int], width: int) -> np.ndarray:
+    def _noise_input(self, pieces: Sequence[PhonemeIds], k: int, times: Sequence[int], width: int) -> np.ndarray:
         """Noise input k [B, C, width]: item i's first times[i] steps from its own stream, which
         depends only on its seed, never on the batch; zeros after."""
         channels = self._channels[k]
@@ -801,7 +800,7 @@ class PiperEngine(Engine):
                 noise[i, :, : times[i]] = rng.standard_normal((times[i], channels), dtype=np.float32).T
         return noise
 
-    def _batch_inputs(self, pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray, int]:
+    def _batch_inputs(self, pieces: Sequence[PhonemeIds]) -> tuple[np.ndarray, np.ndarray, int]:
         lengths = np.array([len(p.ids) for p in pieces], dtype=np.int64)
         width = -(-int(lengths.max()) // self.pad_multiple) * self.pad_multiple
         ids = np.zeros((len(pieces), width), dtype=np.int64)
@@ -870,7 +869,7 @@ class PiperEngine(Engine):
                 feeds[name] = np.zeros((len(lengths), self._channels[k], width), dtype=np.float32)
         return feeds
 
-    def _synthesize_two_stage(self, stages, pieces: Sequence[Piece]) -> Synthesised:
+    def _synthesize_two_stage(self, stages, pieces: Sequence[PhonemeIds]) -> Synthesised:
         """Stage 1 on the whole batch; stage 2 per group of similar real frame counts."""
         from .piper_split import group_by_frames
 
