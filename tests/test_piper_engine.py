@@ -60,7 +60,7 @@ def test_matches_piper_tts_with_noise_off(quiet_engine, texts):
     """Same text, same voice: our phonemes, ids and audio equal piper-tts's own pipeline."""
     from piper import PiperVoice, SynthesisConfig
 
-    from cosybatch.engines.piper import bundled_voice
+    from cosybatch.engines.piper.voice import bundled_voice
 
     model, _ = bundled_voice()
     voice = PiperVoice.load(model)

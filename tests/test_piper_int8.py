@@ -17,9 +17,10 @@ import numpy as np
 import onnx
 import pytest
 
-from cosybatch import piper_quant
 from cosybatch.engines import EngineOptions, open_engine
-from cosybatch.engines.piper import PiperOptions, bundled_voice
+from cosybatch.engines.piper import PiperOptions
+from cosybatch.engines.piper import quant as piper_quant
+from cosybatch.engines.piper.voice import bundled_voice
 from cosybatch.errors import UsageError
 from cosybatch.plan import Unit
 

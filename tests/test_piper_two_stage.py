@@ -14,7 +14,7 @@ from helpers import read_output
 from cosybatch.config import RunConfig
 from cosybatch.engines import EngineOptions, open_engine
 from cosybatch.engines.piper import PiperOptions
-from cosybatch.engines.piper_split import group_by_frames
+from cosybatch.engines.piper.split import group_by_frames
 from cosybatch.errors import UsageError
 from cosybatch.job import run
 from cosybatch.plan import Unit
