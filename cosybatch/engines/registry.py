@@ -125,33 +125,29 @@ def _convert(engine: str, key: str, value: Any, hint) -> Any:
     raise UsageError(f"engine {engine!r} option {key} = {shown} should be a {getattr(target, '__name__', target)}")
 
 
-def engine_aliases() -> dict[str, tuple[Alias, list[str]]]:
-    """Every installed engine's aliases: option -> (the first declaration, the engines declaring it).
-    An engine that fails to import is skipped here; choosing it reports why."""
-    found: dict[str, tuple[Alias, list[str]]] = {}
+def engine_aliases() -> dict[str, list[tuple[str, Alias]]]:
+    """Every installed engine's aliases: option -> [(engine name, its declaration), ...]. An engine
+    that fails to import is skipped here; choosing it with --engine reports why."""
+    found: dict[str, list[tuple[str, Alias]]] = {}
     for name in engine_names():
         try:
             cls = engine_class(name)
         except UsageError:
             continue
         for alias in cls.aliases:
-            if alias.option in found:
-                found[alias.option][1].append(name)
-            else:
-                found[alias.option] = (alias, [name])
+            found.setdefault(alias.option, []).append((name, alias))
     return found
 
 
-def quantize(name: str, voice: Optional[str], options: EngineOptions) -> dict:
-    """`cosybatch quantize --engine NAME`: the engine's own quantisation, where it offers one."""
+def quantize(name: str, voice: Optional[str], raw_options: Mapping[str, Any]) -> dict:
+    """`cosybatch quantize --engine NAME`: the engine's own quantize step, where it declares one
+    (`Engine.quantize`); `raw_options` as for `parse_engine_options`."""
     cls = engine_class(name)
     if cls.quantize is None:
         offering = [n for n in engine_names() if n != name and _offers_quantize(n)]
         raise UsageError(f"engine {name!r} has no quantize step"
-                         + (f"; engines that do: {', '.join(offering)}" if offering else ""))
-    if options.engine is None:
-        options = dataclasses.replace(options, engine=parse_engine_options(cls, {}))
-    return cls.quantize(voice, options)
+                         + (f"; engines that have one: {', '.join(offering)}" if offering else ""))
+    return cls.quantize(voice, EngineOptions(engine=parse_engine_options(cls, raw_options)))
 
 
 def _offers_quantize(name: str) -> bool:
