@@ -33,10 +33,12 @@ from .registry import (
     open_engine,
     parse_engine_options,
     quantize,
+    register_engine,
 )
 
 __all__ = [
     "DEFAULT_ENGINE", "ENTRY_POINT_GROUP", "Alias", "Engine", "EngineOptions", "MemoryPlan", "NoOptions", "Piece",
     "Prepared", "RowRejected", "Synthesised", "VoiceRequest", "engine_aliases", "engine_check", "engine_class",
     "engine_describe", "engine_names", "item_seed", "open_engine", "parse_engine_options", "quantize",
+    "register_engine",
 ]

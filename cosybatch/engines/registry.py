@@ -32,26 +32,49 @@ def _entry_points() -> dict:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+# Engines registered by `register_engine` in this process (a notebook, a test): found before the
+# entry points, and only here (a ray-run's workers, other processes, need the entry point).
+_IN_PROCESS: dict[str, type[Engine]] = {}
+
+
 def engine_names() -> list[str]:
-    return sorted(_entry_points())
+    return sorted({*_entry_points(), *_IN_PROCESS})
 
 
 def engine_class(name: str) -> type[Engine]:
     """The class registered as `name` (imported now, not its heavy dependencies)."""
+    if name in _IN_PROCESS:
+        return _IN_PROCESS[name]
     found = _entry_points()
     if name not in found:
-        raise UsageError(f"unknown engine {name!r}; installed engines: {', '.join(sorted(found)) or 'none'} "
+        raise UsageError(f"unknown engine {name!r}; installed engines: {', '.join(engine_names()) or 'none'} "
                          f"(a plugin registers under the {ENTRY_POINT_GROUP!r} entry-point group)")
     try:
         cls = found[name].load()
     except Exception as exc:
         raise UsageError(f"engine {name!r} ({found[name].value}) failed to import: {exc!r}") from None
+    return _checked(name, found[name].value, cls)
+
+
+def register_engine(cls: type[Engine]) -> type[Engine]:
+    """Make `cls` an engine of this process under `cls.name`, checked as an entry point's class
+    is; usable as a class decorator. For notebooks and tests: an installed engine registers under
+    the entry-point group instead (docs/writing-an-engine.md)."""
+    where = f"{getattr(cls, '__module__', '?')}:{getattr(cls, '__qualname__', cls)}"
+    name = getattr(cls, "name", "")
+    if not name:
+        raise UsageError(f"engine {where} has no name: set the class attribute name = '...'")
+    _IN_PROCESS[name] = _checked(name, where, cls)
+    return cls
+
+
+def _checked(name: str, where: str, cls) -> type[Engine]:
+    """`cls` if it is a complete Engine; refused here, before its model loads, if not."""
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise UsageError(f"engine {name!r} ({found[name].value}) is not a cosybatch.engines.Engine subclass")
-    if inspect.isabstract(cls):  # refused here, before its model loads
+        raise UsageError(f"engine {name!r} ({where}) is not a cosybatch.engines.Engine subclass")
+    if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise UsageError(f"engine {name!r} ({found[name].value}) does not implement {missing} "
-                         "(docs/writing-an-engine.md)")
+        raise UsageError(f"engine {name!r} ({where}) does not implement {missing} (docs/writing-an-engine.md)")
     return cls
 
 

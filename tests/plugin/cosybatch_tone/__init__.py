@@ -1,4 +1,4 @@
-"""A cosybatch engine written from the README's "Writing an engine" alone: every sentence of a row
+"""A cosybatch engine written from docs/writing-an-engine.md alone: every sentence of a row
 becomes a tone, 10 ms per character, at a pitch drawn from the piece's own seed. It exercises the
 whole contract (options, prepare, batched synthesize, row rejection, batch defaults) without a
 model."""
