@@ -92,6 +92,7 @@ PANELS = {
                  "log_every", "check"),
 }
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+RAY = "Ray"  # ray-run's own flags
 
 
 def _option(name: str, annotation, default, help: str, decls=(), metavar=None, panel=None) -> inspect.Parameter:
@@ -141,9 +142,13 @@ def _run_parameters() -> list[inspect.Parameter]:
         _option("check", bool, False, "Check the options, job spec, corpus columns and voice, print the resolved "
                 "settings as JSON, and exit without synthesising.", ("--check",)),
     ]
-    # Shown panel by panel (the order of options is only their order in --help; ctx and corpus stay first).
+    return params[:2] + _by_panel(params[2:])
+
+
+def _by_panel(options: list[inspect.Parameter]) -> list[inspect.Parameter]:
+    """Options in the order of their panels (an option's place only orders --help)."""
     order = list(PANELS)
-    return params[:2] + sorted(params[2:], key=lambda p: order.index(p.default.rich_help_panel))
+    return sorted(options, key=lambda p: order.index(p.default.rich_help_panel))
 
 
 def run(ctx: typer.Context, **values) -> None:
@@ -276,13 +281,13 @@ RAY_FLAGS = ("address", "actors", "num_gpus", "num_cpus", "rows_per_task")
 def _ray_run_parameters() -> list[inspect.Parameter]:
     shared = {p.name: p for p in _run_parameters()}
     job = _option("job", Optional[Path], None, "A `cosybatch run` job spec; flags here override it.", ("--job",))
-    return [shared["ctx"], shared["corpus"], job, *(shared[name] for name in RAY_RUN_SHARED[1:]),
+    return [shared["ctx"], shared["corpus"], *_by_panel([job, *(shared[name] for name in RAY_RUN_SHARED[1:])]),
             _option("address", Optional[str], None, "Ray cluster: unset starts a local one; 'auto' joins the "
-                    "running one; or ray://HOST:10001."),
-            _option("actors", int, 2, "Actors in the pool, each holding one engine."),
-            _option("num_gpus", float, 0.0, "GPUs per actor."),
-            _option("num_cpus", float, 1.0, "CPUs per actor."),
-            _option("rows_per_task", int, 64, "Rows per actor call; each call writes one tar shard.")]
+                    "running one; or ray://HOST:10001.", panel=RAY),
+            _option("actors", int, 2, "Actors in the pool, each holding one engine.", panel=RAY),
+            _option("num_gpus", float, 0.0, "GPUs per actor.", panel=RAY),
+            _option("num_cpus", float, 1.0, "CPUs per actor.", panel=RAY),
+            _option("rows_per_task", int, 64, "Rows per actor call; each call writes one tar shard.", panel=RAY)]
 
 
 def ray_run_cmd(ctx: typer.Context, **given) -> None:
@@ -391,8 +396,9 @@ def quantize_cmd(
     engine: str = typer.Option(DEFAULT_ENGINE, "--engine", help="The engine whose quantize step runs (an engine "
                                "without one refuses)."),
 ) -> None:
-    """Build the calibrated INT8 copy of a Piper voice into the cache ($XDG_CACHE_HOME/cosybatch), as
-    `run --precision int8` does on first use; run it once ahead of sharded workers. Prints JSON."""
+    """Build an engine's quantised model ahead of a run. Piper: the calibrated INT8 copy of a voice,
+    into the cache ($XDG_CACHE_HOME/cosybatch), as `run --precision int8` does on first use; run it
+    once ahead of sharded workers. Prints JSON."""
     _setup_logging()
     from .engines import quantize
 
