@@ -82,7 +82,8 @@ def run(engine, rows, together: bool, voice: VoiceRequest) -> tuple[dict, dict, 
     units, owners, seeds = [], [], {}
     for key, (item_id, text) in enumerate(rows):
         prepared = engine.prepare(text, item_id, voice)
-        for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True)):
+        for part, piece in enumerate(prepared.pieces):
+            cost, payload = piece.cost, piece.payload
             units.append(Unit(key, part, cost, "", payload))
             owners.append(item_id)
             seeds[payload.seed] = item_id

@@ -20,7 +20,7 @@ from pathlib import Path
 import soundfile
 from common import median, sentences, write_corpus
 
-from cosybatch.engines.piper import bundled_voice
+from cosybatch.engines.piper.voice import bundled_voice
 
 
 def run_piper(model: Path, lines: Path, out: Path) -> tuple[float, float]:

@@ -3,7 +3,7 @@
 Needs the measurement tools: pip install 'cosybatch[bench]' (pocketsphinx, jiwer, pesq,
 mel-cepstral-distance).
 
-1. Builds each int8 variant of the bundled voice (cosybatch/piper_quant.py VARIANTS), calibrated on
+1. Builds each int8 variant of the bundled voice (cosybatch/engines/piper/quant.py VARIANTS), calibrated on
    the first --calibration bundled calibration sentences (one calibration run serves them all).
 2. In one process, 1 intra-op thread, batch 1 as the CPU default: synthesises the held-out
    sentences (cosybatch/data/piper_heldout_en.txt, never used to calibrate, not examples/) with fp32
@@ -36,9 +36,10 @@ import soundfile
 from common import median, sentences, write_corpus
 from scipy.signal import resample_poly
 
-from cosybatch import piper_quant
 from cosybatch.engines import EngineOptions, open_engine
-from cosybatch.engines.piper import PiperOptions, bundled_voice
+from cosybatch.engines.piper import PiperOptions
+from cosybatch.engines.piper import quant as piper_quant
+from cosybatch.engines.piper.voice import bundled_voice
 from cosybatch.plan import Unit
 
 
@@ -99,7 +100,7 @@ def units(engine, texts: list[str]) -> list[list[Unit]]:
     out = []
     for row, text in enumerate(texts):
         p = engine.prepare(text, f"h{row:04d}")
-        out.append([Unit(row, part, c, "", pl) for part, (c, pl) in enumerate(zip(p.costs, p.payloads, strict=True))])
+        out.append([Unit(row, part, q.cost, "", q.payload) for part, q in enumerate(p.pieces)])
     return out
 
 

@@ -47,8 +47,8 @@ def main() -> None:
     units = []
     for row, text in enumerate(sentences(args.rows)):
         prepared = first.prepare(text, f"s{row:05d}")
-        units += [Unit(row, part, cost, "", payload)
-                  for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+        units += [Unit(row, part, piece.cost, "", piece.payload)
+                  for part, piece in enumerate(prepared.pieces)]
     batches = plan_batches(units, args.batch_size, args.batch_size * args.budget_per_item)
     sizes = [len(b.units) for b in batches]
     print(f"{args.rows} rows -> {len(units)} pieces, {len(batches)} planner batches (sizes {sizes}), "

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from .config import RunConfig
+from .engines import DEFAULT_ENGINE
 from .errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
@@ -53,34 +54,54 @@ def _root(
 
 
 NOT_IN_SPECS = ("ctx", "job", "check")
-# Flags kept from before --engine-opt: each sets the engine option of the same name (after
-# --engine-opt, which they override); an engine without that option refuses it, naming the key.
-ENGINE_OPTION_ALIASES = {
-    "voice_dir": (Path, "Alias of --engine-opt voice_dir=DIR: voices NAME.onnx + NAME.onnx.json that corpus rows "
-                        "may name."),
-    "speaker": (str, "Alias of --engine-opt speaker=NAME: a speaker of a multi-speaker voice."),
-    "model": (Path, "Alias of --engine-opt model=DIR: the model folder as downloaded."),
-    "prompt_wav": (Path, "Alias of --engine-opt prompt_wav=PATH: default zero-shot prompt audio."),
-    "prompt_text": (str, "Alias of --engine-opt prompt_text=TEXT: what the prompt audio says."),
-    "prompt_dir": (Path, "Alias of --engine-opt prompt_dir=DIR: a folder rows' prompt_wav paths may point into."),
-    "instruct": (str, "Alias of --engine-opt instruct=TEXT: the default instruction (emotion, speed, dialect, "
-                      "style) for rows without an instruct column value."),
-    "precision": (str, "Alias of --engine-opt precision=...: fp32|bf16|fp16 (cosyvoice), fp32|int8 (piper)."),
-    "noise_scale": (float, "Alias of --engine-opt noise_scale=X."),
-    "length_scale": (float, "Alias of --engine-opt length_scale=X."),
-    "noise_w": (float, "Alias of --engine-opt noise_w=X."),
-}
+
+
+def _engine_aliases() -> dict:
+    """The installed engines' flags that each set the engine option of the same name (after
+    --engine-opt, which they override; an engine without that option refuses it, naming the key):
+    option -> (type, help). Declared by each engine (`Engine.aliases`); imports engine classes,
+    never their runtimes."""
+    from .engines import engine_aliases
+
+    found = {}
+    for option, declared in engine_aliases().items():
+        helps: dict[str, list[str]] = {}  # one help -> the engines that give it
+        for engine, alias in declared:
+            helps.setdefault(alias.help, []).append(engine)
+        said = "; ".join(text.rstrip(".") if len(helps) == 1 else f"{', '.join(names)}: {text.rstrip('.')}"
+                         for text, names in helps.items())
+        found[option] = (declared[0][1].kind, f"Alias of --engine-opt {option}=...: {said}.")
+    return found
+
+
+ENGINE_OPTION_ALIASES = _engine_aliases()
 # RunConfig fields the command line spells differently; every other field is `--field-name`,
 # with its type, default and docstring taken from RunConfig itself.
 FROM_OTHER_FLAGS = ("corpus", "shard_index", "shard_count", "max_runtime", "shard_max_bytes", "export",
                     "engine_options")
 FLAG_DECLS = {"out": ("--out", "-o"), "restart": ("--restart",), "allow_corpus_change": ("--allow-corpus-change",)}
 HELP_SUFFIX = {"out": " [default: out/CORPUS-STEM]"}
+# `run --help` in panels; an option named in none (a new RunConfig field) shows under "Operations".
+INPUT, ENGINE, BATCHING, OUTPUT, OPERATIONS = "Input", "Engine", "Batching", "Output", "Operations"
+PANELS = {
+    INPUT: ("job", "format", "id_col", "text_col", "voice_col", "limit", "max_chars", "allow_corpus_change"),
+    ENGINE: ("engine", "voice", "engine_opt", "device", "memory_fraction", "threads", "seed"),
+    BATCHING: ("batch_size", "batch_budget", "workers", "window"),
+    OUTPUT: ("out", "sentence_silence", "normalize", "shard_max_items", "shard_max_mb", "export", "restart"),
+    OPERATIONS: ("max_runtime", "max_failures", "shard", "metrics_file", "pushgateway", "metrics_job", "progress",
+                 "log_every", "check"),
+}
+PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+RAY = "Ray"  # ray-run's own flags
 
 
-def _option(name: str, annotation, default, help: str, decls=(), metavar=None) -> inspect.Parameter:
+def _option(name: str, annotation, default, help: str, decls=(), metavar=None, panel=None) -> inspect.Parameter:
+    from rich.markup import escape
+
+    # Help is plain text: escaped, so `[engine_options]` or `[default: ...]` is shown, not read as markup.
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                             default=typer.Option(default, *decls, help=help, metavar=metavar))
+                             default=typer.Option(default, *decls, help=escape(help), metavar=metavar,
+                                                  rich_help_panel=panel or PANEL_OF.get(name, OPERATIONS)))
 
 
 def _run_parameters() -> list[inspect.Parameter]:
@@ -110,7 +131,8 @@ def _run_parameters() -> list[inspect.Parameter]:
         _option("engine_opt", Optional[list[str]], None, "An engine setting KEY=VALUE (repeatable); "
                 "`[engine_options]` in a job spec. `cosybatch engines` lists each engine's.", ("--engine-opt",),
                 "KEY=VALUE"),
-        *(_option(name, Optional[kind], None, help) for name, (kind, help) in ENGINE_OPTION_ALIASES.items()),
+        *(_option(name, Optional[kind], None, help, panel=ENGINE)
+          for name, (kind, help) in ENGINE_OPTION_ALIASES.items()),
         _option("shard", Optional[str], None, "Run worker I of N (I/N), writing OUT/part-IIIII-of-NNNNN. N alone "
                 "takes I from JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID."),
         _option("max_runtime", Optional[str], None, D["max_runtime"] + " Accepts 90, 90s, 30m, 2h."),
@@ -120,7 +142,13 @@ def _run_parameters() -> list[inspect.Parameter]:
         _option("check", bool, False, "Check the options, job spec, corpus columns and voice, print the resolved "
                 "settings as JSON, and exit without synthesising.", ("--check",)),
     ]
-    return params
+    return params[:2] + _by_panel(params[2:])
+
+
+def _by_panel(options: list[inspect.Parameter]) -> list[inspect.Parameter]:
+    """Options in the order of their panels (an option's place only orders --help)."""
+    order = list(PANELS)
+    return sorted(options, key=lambda p: order.index(p.default.rich_help_panel))
 
 
 def run(ctx: typer.Context, **values) -> None:
@@ -253,13 +281,13 @@ RAY_FLAGS = ("address", "actors", "num_gpus", "num_cpus", "rows_per_task")
 def _ray_run_parameters() -> list[inspect.Parameter]:
     shared = {p.name: p for p in _run_parameters()}
     job = _option("job", Optional[Path], None, "A `cosybatch run` job spec; flags here override it.", ("--job",))
-    return [shared["ctx"], shared["corpus"], job, *(shared[name] for name in RAY_RUN_SHARED[1:]),
+    return [shared["ctx"], shared["corpus"], *_by_panel([job, *(shared[name] for name in RAY_RUN_SHARED[1:])]),
             _option("address", Optional[str], None, "Ray cluster: unset starts a local one; 'auto' joins the "
-                    "running one; or ray://HOST:10001."),
-            _option("actors", int, 2, "Actors in the pool, each holding one engine."),
-            _option("num_gpus", float, 0.0, "GPUs per actor."),
-            _option("num_cpus", float, 1.0, "CPUs per actor."),
-            _option("rows_per_task", int, 64, "Rows per actor call; each call writes one tar shard.")]
+                    "running one; or ray://HOST:10001.", panel=RAY),
+            _option("actors", int, 2, "Actors in the pool, each holding one engine.", panel=RAY),
+            _option("num_gpus", float, 0.0, "GPUs per actor.", panel=RAY),
+            _option("num_cpus", float, 1.0, "CPUs per actor.", panel=RAY),
+            _option("rows_per_task", int, 64, "Rows per actor call; each call writes one tar shard.", panel=RAY)]
 
 
 def ray_run_cmd(ctx: typer.Context, **given) -> None:
@@ -365,14 +393,17 @@ def quantize_cmd(
     voice: Optional[str] = typer.Option(None, "--voice", help="A voice name found in --voice-dir, or a path to "
                                         "NAME.onnx (NAME.onnx.json beside it); default: the bundled voice."),
     voice_dir: Optional[Path] = typer.Option(None, "--voice-dir", help="Folder holding NAME.onnx + NAME.onnx.json."),
+    engine: str = typer.Option(DEFAULT_ENGINE, "--engine", help="The engine whose quantize step runs (an engine "
+                               "without one refuses)."),
 ) -> None:
-    """Build the calibrated INT8 copy of a Piper voice into the cache ($XDG_CACHE_HOME/cosybatch), as
-    `run --precision int8` does on first use; run it once ahead of sharded workers. Prints JSON."""
+    """Build an engine's quantised model ahead of a run. Piper: the calibrated INT8 copy of a voice,
+    into the cache ($XDG_CACHE_HOME/cosybatch), as `run --precision int8` does on first use; run it
+    once ahead of sharded workers. Prints JSON."""
     _setup_logging()
-    from .piper_quant import quantize
+    from .engines import quantize
 
     try:
-        result = quantize(voice, voice_dir)
+        result = quantize(engine, voice, {} if voice_dir is None else {"voice_dir": voice_dir})
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
     print(json.dumps(result))

@@ -243,7 +243,14 @@ def describe(report: dict) -> str:
     elif "error" in ort:
         lines.append(f"onnxruntime: does not import ({holders}): {ort['error']}")
     else:
-        lines.append(f"onnxruntime {ort['version']} from {holders}"
+        # The module's version, then the package(s) holding its files: "onnxruntime 1.32.0, installed as
+        # onnxruntime-gpu"; only where they differ (two builds over each other) are their versions shown.
+        dists = ort["distributions"]
+        if len(dists) == 1 and dists[0]["version"] == ort["version"]:
+            source = f"installed as {dists[0]['name']}"
+        else:
+            source = f"its files from {holders}"
+        lines.append(f"onnxruntime {ort['version']}, {source}"
                      + (f" (CUDA {ort['cuda_build']} build)" if ort.get("cuda_build") else "")
                      + f": {', '.join(ort['providers'])}")
         if ort.get("alias"):

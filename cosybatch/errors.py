@@ -44,6 +44,13 @@ class VoiceError(CosybatchError):
     exit_code = EXIT_USAGE
 
 
+class EngineError(CosybatchError):
+    """An engine broke its contract (a plugin's bug, not the user's): `check` or `describe` returned
+    no dict or raised something other than a CosybatchError. The message names the engine."""
+
+    exit_code = EXIT_INTERNAL
+
+
 class OutputError(CosybatchError):
     """Writing the output failed (disk full, folder gone). Committed work is intact: resumable."""
 

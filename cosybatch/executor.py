@@ -197,9 +197,9 @@ class EngineSet:
             raise RowRejected(f"engine {self.cls.name!r} cannot follow an instruction; drop the instruct column "
                               "or use --engine cosyvoice with a model that takes instructions")
         prepared = engine.prepare(row.text, row.id, request)
-        if not prepared.costs or len(prepared.costs) != len(prepared.payloads):
-            raise RowRejected(f"engine {self.cls.name!r} cut the row into {len(prepared.costs)} pieces with "
-                              f"{len(prepared.payloads)} payloads; an engine rejects a row it cannot speak")
+        if not prepared.pieces:
+            raise RowRejected(f"engine {self.cls.name!r} cut the row into no pieces; an engine rejects a row it "
+                              "cannot speak")
         return ("" if self.cls.multi_voice else voice or ""), prepared
 
 
@@ -237,10 +237,9 @@ class RowAssembler:
     def add(self, row: Row, prepared: Prepared, group: str) -> list[Unit]:
         key, self._next_key = self._next_key, self._next_key + 1
         with self.lock:
-            self.rows[key] = PendingRow(row, prepared.text, group, [None] * len(prepared.costs),
-                                        len(prepared.costs), label=prepared.voice, instruct=prepared.instruct)
-        return [Unit(key, part, cost, group, payload)
-                for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+            self.rows[key] = PendingRow(row, prepared.text, group, [None] * len(prepared.pieces),
+                                        len(prepared.pieces), label=prepared.voice, instruct=prepared.instruct)
+        return [Unit(key, part, piece.cost, group, piece.payload) for part, piece in enumerate(prepared.pieces)]
 
     def take(self, outcome: Outcome) -> list[PendingRow]:
         """Put a finished batch's audio (or errors) into its rows; returns the rows now whole, in file order."""

@@ -38,6 +38,7 @@ from .committer import DONE, Committer
 from .config import RunConfig
 from .corpus import BadRow, Columns, Corpus, Row
 from .distributed import part_name
+from .engines import engine_check
 from .errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -118,7 +119,7 @@ def run(cfg: RunConfig) -> RunResult:
     configure_gpu_allocator(cfg)
     # What `run --check` checks, before anything is written: a start that fails here leaves no folder.
     check_device(cfg)
-    cfg.engine_class().check(cfg.voice, cfg.engine_options_for())
+    engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
     if cfg.shard_count is not None:
         # Each worker owns a self-contained folder; `cosybatch merge` presents them as one.
         part = part_name(cfg.shard_index, cfg.shard_count)
@@ -233,7 +234,7 @@ def check(cfg: RunConfig) -> dict:
     corpus = open_corpus(cfg)
     configure_gpu_allocator(cfg)  # as a run does, before the device check may import torch
     check_device(cfg)
-    resolved = cfg.engine_class().check(cfg.voice, cfg.engine_options_for())
+    resolved = engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
     return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
             "voice": resolved.get("voice", resolved)}
 

@@ -46,7 +46,7 @@ from .checkpoint import (
 )
 from .config import RunConfig, cpu_count
 from .corpus import BadRow, Corpus, Row
-from .engines import RowRejected
+from .engines import RowRejected, engine_check
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
 from .executor import BatchPolicy, EngineSet, RowAssembler, render_rows, run_batch
 from .job import (
@@ -209,7 +209,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         stats = Stats()
         t0 = time.monotonic()
         device = "cuda" if opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
-        cfg.engine_class().check(cfg.voice, cfg.engine_options_for(device))  # a bad voice: exit 2 here
+        engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(device))  # a bad voice: exit 2 here
         if not ray.is_initialized():
             extra = {}
             if opts.address is None:

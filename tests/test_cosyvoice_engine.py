@@ -61,8 +61,8 @@ def engine(cosyvoice_dir, corpus):
 
 def run_row(engine, text: str, item_id: str, voice: VoiceRequest) -> tuple[np.ndarray, int]:
     prepared = engine.prepare(text, item_id, voice)
-    units = [Unit(0, part, cost, "", payload)
-             for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+    units = [Unit(0, part, piece.cost, "", piece.payload)
+             for part, piece in enumerate(prepared.pieces)]
     syn = engine.synthesize(units)
     return np.concatenate(syn.audio), syn.real_frames
 
@@ -132,8 +132,8 @@ def test_item_audio_does_not_depend_on_its_batch(engine):
     units = []
     for key, (item_id, t, v) in enumerate([("row-7", text, voice), *others]):
         prepared = engine.prepare(t, item_id, v)
-        units += [Unit(key, part, cost, "", payload)
-                  for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+        units += [Unit(key, part, piece.cost, "", piece.payload)
+                  for part, piece in enumerate(prepared.pieces)]
     syn = engine.synthesize(units)
     mine = np.concatenate([a for u, a in zip(units, syn.audio, strict=True) if u.row_key == 0])
     assert len(mine) == len(alone) == tokens * SAMPLES_PER_TOKEN

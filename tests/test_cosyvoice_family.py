@@ -90,15 +90,15 @@ def test_v2_instruction_is_the_lm_prompt_and_replaces_prompt_speech(v2_engine):
     zero = v2_engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", "A short prompt.", True))
     told = v2_engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", "A short prompt.", True, instruct))
     assert told.instruct == instruct and zero.instruct is None
-    seg = told.payloads[0]
+    seg = told.pieces[0].payload
     # upstream's inference_instruct2: the instruction (ending in <|endofprompt|>) is the LM's prompt
     # text, the LM reads no prompt speech, the flow keeps the prompt's speech and embedding.
     assert seg.prompt_text_tokens == tuple(v2_engine.tokenizer.encode(instruct + ENDOFPROMPT))
-    assert not seg.lm_speech and zero.payloads[0].lm_speech
+    assert not seg.lm_speech and zero.pieces[0].payload.lm_speech
     assert seg.voice.prompt_tokens is not None
     # An instruction already ending in <|endofprompt|> is taken as it is.
     again = v2_engine.prepare("Hello there.", "a", VoiceRequest("alice", None, None, True, instruct + ENDOFPROMPT))
-    assert again.payloads[0].prompt_text_tokens == seg.prompt_text_tokens
+    assert again.pieces[0].payload.prompt_text_tokens == seg.prompt_text_tokens
 
 
 def test_instruct_rows_run_and_are_recorded(cosyvoice_dir, prompt_folder, tmp_path):
@@ -195,7 +195,7 @@ def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosy
                                                           engine=CosyVoiceOptions(model=model)))
     speaker = engine.voices.speakers[0]
     told = engine.prepare("Hello there.", "a", VoiceRequest(speaker, None, None, True, "A calm narrator."))
-    seg = told.payloads[0]
+    seg = told.pieces[0].payload
     # upstream's frontend_instruct: the instruction is the LM's prompt text, the LM gets no speaker
     # embedding, the flow keeps it.
     # The released 300M-Instruct frontend: the normalised instruction, then "<endofprompt>".
@@ -203,7 +203,7 @@ def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosy
                                                                    + "<endofprompt>"))
     assert not seg.lm_embedding and not seg.lm_speech and seg.voice.embedding.shape == (192,)
     plain = engine.prepare("Hello there.", "a", VoiceRequest(speaker, None, None, True))
-    assert plain.payloads[0].lm_embedding and plain.payloads[0].prompt_text_tokens == ()
+    assert plain.pieces[0].payload.lm_embedding and plain.pieces[0].payload.prompt_text_tokens == ()
 
     corpus = family_corpus(prompt_folder, "v1i", [
         {"id": "told", "text": "Hello there.", "speaker": speaker, "instruct": "A calm narrator."},
@@ -228,21 +228,22 @@ def test_v3_zero_shot_cross_lingual_and_instruct_rows(cosyvoice_v3_dir, prompt_f
     cross = engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", None, True))
     told = engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", "A short prompt.", True, "Be quick."))
     # Upstream's CosyVoice3 examples: every LM prompt opens with the system prompt and <|endofprompt|>.
-    assert zero.payloads[0].prompt_text_tokens == tuple(encode("You are a helpful assistant.<|endofprompt|>"
+    assert zero.pieces[0].payload.prompt_text_tokens == tuple(encode("You are a helpful assistant.<|endofprompt|>"
                                                                "A short prompt."))
-    assert zero.payloads[0].lm_speech
-    assert cross.payloads[0].prompt_text_tokens == tuple(encode("You are a helpful assistant.<|endofprompt|>"))
-    assert not cross.payloads[0].lm_speech
-    assert told.payloads[0].prompt_text_tokens == tuple(encode("You are a helpful assistant. Be quick.<|endofprompt|>"))
-    assert not told.payloads[0].lm_speech
+    assert zero.pieces[0].payload.lm_speech
+    assert cross.pieces[0].payload.prompt_text_tokens == tuple(encode("You are a helpful assistant.<|endofprompt|>"))
+    assert not cross.pieces[0].payload.lm_speech
+    assert told.pieces[0].payload.prompt_text_tokens == tuple(
+        encode("You are a helpful assistant. Be quick.<|endofprompt|>"))
+    assert not told.pieces[0].payload.lm_speech
     # Written the way upstream's examples write them, the system prompt is not doubled.
     full = "You are a helpful assistant. Be quick.<|endofprompt|>"
     as_upstream = engine.prepare("Hello there.", "a", VoiceRequest(None, "prompt.wav", "A short prompt.", True, full))
-    assert as_upstream.payloads[0].prompt_text_tokens == told.payloads[0].prompt_text_tokens
+    assert as_upstream.pieces[0].payload.prompt_text_tokens == told.pieces[0].payload.prompt_text_tokens
     upstream_prompt = VoiceRequest(None, "prompt.wav", "You are a helpful assistant.<|endofprompt|>A short prompt.",
                                    True)
-    assert engine.prepare("Hello there.", "a", upstream_prompt).payloads[0].prompt_text_tokens == \
-        zero.payloads[0].prompt_text_tokens
+    assert engine.prepare("Hello there.", "a", upstream_prompt).pieces[0].payload.prompt_text_tokens == \
+        zero.pieces[0].payload.prompt_text_tokens
 
     corpus = family_corpus(prompt_folder, "v3", [
         {"id": "zero-shot", "text": "Cloned from a prompt.", "prompt_wav": "prompt.wav",
@@ -270,10 +271,10 @@ def test_v3_sft_speakers_when_the_folder_has_them(cosyvoice_v3_dir, cosyvoice_di
     shutil.copy(cosyvoice_dir / "spk2info.pt", folder / "spk2info.pt")
     engine = open_engine("cosyvoice", "alice", EngineOptions(device="cpu", engine=CosyVoiceOptions(model=folder)))
     prepared = engine.prepare("Hello there.", "a", None)
-    seg = prepared.payloads[0]
+    seg = prepared.pieces[0].payload
     assert seg.voice.key == "spk:alice" and not seg.lm_speech
     assert seg.prompt_text_tokens == tuple(engine.tokenizer.encode("You are a helpful assistant.<|endofprompt|>"))
-    units = [Unit(0, 0, prepared.costs[0], "", seg)]
+    units = [Unit(0, 0, prepared.pieces[0].cost, "", seg)]
     audio = engine.synthesize(units).audio[0]
     assert audio.size > 0 and audio.size % 960 == 0 and np.isfinite(audio).all()
 

@@ -215,7 +215,7 @@ def test_a_bad_model_leaves_no_folder(tmp_path):
 
 
 def test_a_voice_that_fails_to_load_leaves_no_folder(tmp_path):
-    from cosybatch.engines.piper import bundled_voice
+    from cosybatch.engines.piper.voice import bundled_voice
 
     _, config = bundled_voice()
     (tmp_path / "broken.onnx").write_bytes(b"not an onnx model")
@@ -275,7 +275,7 @@ def test_unstarted_cleanup_removes_only_what_it_created(tmp_path):
 def test_piper_auto_device_takes_the_gpu_only_when_the_driver_shows_one(monkeypatch):
     from types import SimpleNamespace
 
-    from cosybatch.engines import piper
+    from cosybatch.engines.piper import engine as piper
 
     fake_ort = SimpleNamespace(get_available_providers=lambda: [gpu.ORT_CUDA, "CPUExecutionProvider"])
     monkeypatch.setattr(gpu, "device_total_bytes", lambda index=0: None)

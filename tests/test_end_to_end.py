@@ -90,7 +90,7 @@ def test_rows_without_id_column_use_row_numbers(tmp_path, texts):
 
 
 def test_voice_column_selects_the_voice_per_row(tmp_path, texts):
-    from cosybatch.engines.piper import bundled_voice
+    from cosybatch.engines.piper.voice import bundled_voice
 
     model, config = bundled_voice()
     voices = tmp_path / "voices"

@@ -15,8 +15,8 @@ def units_for(engine, texts):
     units = []
     for row, text in enumerate(texts):
         prepared = engine.prepare(text, f"id-{row}")
-        units += [Unit(row, part, cost, "", payload)
-                  for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+        units += [Unit(row, part, piece.cost, "", piece.payload)
+                  for part, piece in enumerate(prepared.pieces)]
     return units
 
 
@@ -51,7 +51,7 @@ def test_seeded_noise_reproducible_per_item(engine, texts):
     a = engine.synthesize([unit]).audio[0]
     b = engine.synthesize([unit]).audio[0]
     np.testing.assert_array_equal(a, b)
-    other = engine.prepare(texts[3], "another-id").payloads[0]
+    other = engine.prepare(texts[3], "another-id").pieces[0].payload
     c = engine.synthesize([Unit(0, 0, 1, "", other)]).audio[0]
     assert len(c) != len(a) or np.abs(c - a).max() > 1e-2  # a different id draws different noise
 
@@ -60,7 +60,7 @@ def test_matches_piper_tts_with_noise_off(quiet_engine, texts):
     """Same text, same voice: our phonemes, ids and audio equal piper-tts's own pipeline."""
     from piper import PiperVoice, SynthesisConfig
 
-    from cosybatch.engines.piper import bundled_voice
+    from cosybatch.engines.piper.voice import bundled_voice
 
     model, _ = bundled_voice()
     voice = PiperVoice.load(model)
@@ -79,10 +79,10 @@ def test_matches_piper_tts_with_noise_off(quiet_engine, texts):
 def test_long_sentence_is_split_and_nothing_is_lost(quiet_engine):
     words = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # ~360 words, no stop
     prepared = quiet_engine.prepare(words, "long")
-    assert len(prepared.costs) > 1
-    assert max(prepared.costs) <= 600
+    assert len(prepared.pieces) > 1
+    assert max(q.cost for q in prepared.pieces) <= 600
     # Every word's phonemes are kept: the pieces together hold as many ids as the text needs.
-    whole = sum(c - 3 for c in prepared.costs)  # minus ^ _ ... $ framing per piece
+    whole = sum(q.cost - 3 for q in prepared.pieces)  # minus ^ _ ... $ framing per piece
     assert whole > 360 * 4
 
 

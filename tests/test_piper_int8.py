@@ -17,9 +17,10 @@ import numpy as np
 import onnx
 import pytest
 
-from cosybatch import piper_quant
 from cosybatch.engines import EngineOptions, open_engine
-from cosybatch.engines.piper import PiperOptions, bundled_voice
+from cosybatch.engines.piper import PiperOptions
+from cosybatch.engines.piper import quant as piper_quant
+from cosybatch.engines.piper.voice import bundled_voice
 from cosybatch.errors import UsageError
 from cosybatch.plan import Unit
 
@@ -48,8 +49,8 @@ def engines(int8_cache):
 
 def synth(engine, text: str, item_id: str) -> np.ndarray:
     prepared = engine.prepare(text, item_id)
-    units = [Unit(0, part, cost, "", payload)
-             for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+    units = [Unit(0, part, piece.cost, "", piece.payload)
+             for part, piece in enumerate(prepared.pieces)]
     return np.concatenate(engine.synthesize(units).audio)
 
 

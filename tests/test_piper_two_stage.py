@@ -14,7 +14,7 @@ from helpers import read_output
 from cosybatch.config import RunConfig
 from cosybatch.engines import EngineOptions, open_engine
 from cosybatch.engines.piper import PiperOptions
-from cosybatch.engines.piper_split import group_by_frames
+from cosybatch.engines.piper.split import group_by_frames
 from cosybatch.errors import UsageError
 from cosybatch.job import run
 from cosybatch.plan import Unit
@@ -29,8 +29,8 @@ def units_for(engine, texts, prefix="id"):
     units = []
     for row, text in enumerate(texts):
         prepared = engine.prepare(text, f"{prefix}-{row}")
-        units += [Unit(row, part, cost, "", payload)
-                  for part, (cost, payload) in enumerate(zip(prepared.costs, prepared.payloads, strict=True))]
+        units += [Unit(row, part, piece.cost, "", piece.payload)
+                  for part, piece in enumerate(prepared.pieces)]
     return units
 
 

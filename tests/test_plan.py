@@ -17,7 +17,7 @@ def test_padding_beats_random_order_on_real_costs(engine):
     units = []
     for row, text in enumerate(lines):
         prepared = engine.prepare(text, str(row))
-        units += [Unit(row, part, cost, "") for part, cost in enumerate(prepared.costs)]
+        units += [Unit(row, part, cost, "") for part, cost in enumerate(q.cost for q in prepared.pieces)]
     planned = plan_batches(units, max_batch_size=8, batch_budget=10**9)
     shuffled = units[:]
     random.Random(0).shuffle(shuffled)

@@ -10,16 +10,15 @@ import unicodedata
 import pytest
 
 from cosybatch.engines import EngineOptions, RowRejected, open_engine
-from cosybatch.engines.piper import (
+from cosybatch.engines.piper.phonemes import espeak_clauses
+from cosybatch.engines.piper.text import (
     ENGLISH_SYMBOLS,
     SPOKEN_SYMBOLS,
-    VoiceConfig,
-    bundled_voice,
-    espeak_clauses,
     foreign_letters,
     is_emoji,
     normalize_symbols,
 )
+from cosybatch.engines.piper.voice import VoiceConfig, bundled_voice
 
 # Every symbol of the English table, and the patterns around it: what the text becomes.
 ENGLISH = [
@@ -112,7 +111,7 @@ def test_keycaps_keep_their_digit():
 
 
 def test_emoji_ranges():
-    from cosybatch.engines.piper import _EMOJI_RANGES
+    from cosybatch.engines.piper.text import _EMOJI_RANGES
 
     assert all(a <= b < c for (a, b), (c, _) in itertools.pairwise(_EMOJI_RANGES)), "sorted and disjoint"
     assert all(is_emoji(ch) for ch in "😀🇺🇸🏽\u200d\ufe0f\u20e3©®™")
@@ -142,7 +141,7 @@ def test_the_engine_speaks_and_stores_the_spoken_form(engine):
     prepared = engine.prepare("Water boils at 100°C. 😀", "water")
     assert prepared.text == "Water boils at 100 degrees Celsius."
     celsius = engine.prepare("Water boils at 100 degrees Celsius.", "water")
-    assert [list(p.ids) for p in prepared.payloads] == [list(p.ids) for p in celsius.payloads]
+    assert [list(p.payload.ids) for p in prepared.pieces] == [list(p.payload.ids) for p in celsius.pieces]
     with pytest.raises(RowRejected, match="nothing pronounceable"):
         engine.prepare("😀 👍🏽 ✓", "emoji-only")
 

@@ -22,7 +22,8 @@ import numpy as np
 from ..checkpoint import file_fingerprint
 from ..errors import UsageError
 from ..plan import Unit
-from . import Engine, EngineOptions, MemoryPlan, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
+from . import Engine, EngineOptions, MemoryPlan, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
+from .base import Alias
 
 # GPU memory: what the pool leaves outside torch (cuDNN workspaces, the CUDA context's growth,
 # onnxruntime's speech tokenizer), and onnxruntime's own cap within it.
@@ -115,6 +116,16 @@ class CosyVoiceEngine(Engine):
     takes_instruct = True  # the model decides: prepare() rejects rows its model cannot follow
     needs_torch_allocator = True
     voice_column_fallback = "speaker"  # its voices are SFT speakers
+    aliases = (
+        Alias("model", Path, "the model folder as downloaded."),
+        Alias("speaker", str, "an SFT speaker of spk2info.pt."),
+        Alias("prompt_wav", Path, "default zero-shot prompt audio."),
+        Alias("prompt_text", str, "what the prompt audio says."),
+        Alias("prompt_dir", Path, "a folder rows' prompt_wav paths may point into."),
+        Alias("instruct", str, "the default instruction (emotion, speed, dialect, style) for rows without an "
+                               "instruct column value."),
+        Alias("precision", str, "fp32|bf16|fp16."),
+    )
 
     @classmethod
     def check(cls, voice: Optional[str], options: EngineOptions) -> dict:
@@ -406,7 +417,8 @@ class CosyVoiceEngine(Engine):
                                     lm_speech=lm_speech, lm_embedding=instruct is None))
             costs.append(max(1, per_token * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
-        return Prepared(tuple(costs), tuple(payloads), spoken, voice=chosen.key, instruct=instruct)
+        return Prepared(tuple(Piece(c, p) for c, p in zip(costs, payloads, strict=True)), spoken, voice=chosen.key,
+                        instruct=instruct)
 
     # -- audio --------------------------------------------------------------------------------
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:

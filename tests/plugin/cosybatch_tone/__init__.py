@@ -1,4 +1,4 @@
-"""A cosybatch engine written from the README's "Writing an engine" alone: every sentence of a row
+"""A cosybatch engine written from docs/writing-an-engine.md alone: every sentence of a row
 becomes a tone, 10 ms per character, at a pitch drawn from the piece's own seed. It exercises the
 whole contract (options, prepare, batched synthesize, row rejection, batch defaults) without a
 model."""
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosybatch.engines import Engine, Prepared, RowRejected, Synthesised, item_seed
+from cosybatch.engines import Engine, Piece, Prepared, RowRejected, Synthesised, item_seed
 from cosybatch.errors import UsageError
 
 SAMPLE_RATE = 16000
@@ -48,8 +48,9 @@ class ToneEngine(Engine):
             raise RowRejected("nothing to sound")
         if any(len(s) > self.opts.max_chars for s in sentences):
             raise RowRejected(f"a sentence is over max_chars {self.opts.max_chars}")
-        payloads = tuple((len(s), item_seed(self.seed, item_id, i)) for i, s in enumerate(sentences))
-        return Prepared(tuple(len(s) for s in sentences), payloads, ". ".join(sentences) + ".")
+        pieces = tuple(Piece(cost=len(s), payload=(len(s), item_seed(self.seed, item_id, i)))
+                       for i, s in enumerate(sentences))
+        return Prepared(pieces, ". ".join(sentences) + ".")
 
     def synthesize(self, units):
         self.calls += 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,13 +30,17 @@ from typing import Optional
 
 import numpy as np
 
-from .cache import cache_root, cached_file
-from .checkpoint import file_sha256
-from .errors import UsageError
+from ...cache import cache_root, cached_file
+from ...checkpoint import file_sha256
+from ...errors import UsageError
+from .graph import convs_as_2d
+from .phonemes import MAX_PIECE_IDS, Phonemizer
+from .text import normalize_symbols
+from .voice import VoiceConfig, resolve_voice
 
 log = logging.getLogger("cosybatch")
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"  # cosybatch/data
 CALIBRATION_TEXT = DATA / "piper_calibration_en.txt"
 HELDOUT_TEXT = DATA / "piper_heldout_en.txt"  # for benchmarks/piper_int8.py: never used to calibrate
 CALIBRATION_SENTENCES = 50
@@ -65,7 +68,7 @@ class Variant:
     clip's length, equal fp32's."""
 
 
-# The measured variants (README "INT8 Piper voices"; benchmarks/piper_int8.py). Piper's VITS graph
+# The measured variants (docs/piper.md "INT8 voices"; benchmarks/piper_int8.py). Piper's VITS graph
 # names its parts /enc_p (text encoder), /dp (duration predictor), /flow and /dec (the HiFi-GAN
 # decoder, most of the compute); /dec/conv_post makes the waveform from 32 channels.
 # ConvTranspose (the decoder's upsampling) is never quantized: onnxruntime's CPU provider has no
@@ -79,7 +82,7 @@ VARIANTS = {
     "flow-decoder": Variant(("Conv", "MatMul"), ("/flow/", "/dec/"), ("/dec/conv_post/",), keeps_durations=True),
     "convs": Variant(("Conv", "MatMul")),
 }
-# The fastest variant that keeps fp32's durations and its word error rate (README's table): the
+# The fastest variant that keeps fp32's durations and its word error rate (docs/piper.md's table): the
 # decoder's last stage in int8 costs ~10 points of WER and gains no speed.
 DEFAULT_VARIANT = "flow-decoder-early"
 
@@ -123,16 +126,13 @@ def describe(voice_sha256: str, variant: str = DEFAULT_VARIANT, sentences: int =
 # --------------------------------------------------------------------------------------------
 def calibration_inputs(model_path: Path, config_path: Path, sentences: Sequence[str]) -> list[dict]:
     """One feed per sentence for the original graph: its phoneme ids and the voice's default scales."""
-    from .engines.piper import MAX_PIECE_IDS, PiperEngine, VoiceConfig, normalize_symbols
-
     config = VoiceConfig.load(config_path)
-    # The engine's own text -> ids steps, without opening a session.
-    text_side = types.SimpleNamespace(config=config, max_piece_ids=MAX_PIECE_IDS)
+    phonemizer = Phonemizer(config, MAX_PIECE_IDS)  # the engine's own text -> ids steps, without a session
     scales = np.array([config.noise_scale, config.length_scale, config.noise_w], dtype=np.float32)
     feeds = []
     for text in sentences:
-        for phonemes in PiperEngine.phonemize(text_side, normalize_symbols(text, config.english)):
-            ids, _missing = PiperEngine.phonemes_to_ids(text_side, phonemes)
+        for phonemes in phonemizer.phonemize(normalize_symbols(text, config.english)):
+            ids, _missing = phonemizer.to_ids(phonemes)
             if len(ids) <= 3:
                 continue
             feed = {"input": ids[None, :], "input_lengths": np.array([len(ids)], dtype=np.int64), "scales": scales}
@@ -199,14 +199,12 @@ def quantize_voice(model_path: Path, config_path: Path, out_path: Path, variant:
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    from .engines.piper import _convs_as_2d
-
     chosen = variant if isinstance(variant, Variant) else variant_of(variant)
     if sentences is None:
         sentences = read_sentences(CALIBRATION_TEXT)[:CALIBRATION_SENTENCES]
     model = onnx.load(str(model_path))
     if conv2d:
-        _convs_as_2d(model.graph)
+        convs_as_2d(model.graph)
     _set_noise_seed(model, _CALIBRATION_SEED)
     names = nodes_to_quantize(model, chosen)
     feeds = calibration_inputs(model_path, config_path, sentences)
@@ -255,8 +253,6 @@ def cached_int8(model_path: Path, config_path: Path, variant: str = DEFAULT_VARI
 def quantize(voice: Optional[str] = None, voice_dir: Optional[Path] = None) -> dict:
     """`cosybatch quantize`: the voice's INT8 model in the cache, built now if it is not there."""
     import time
-
-    from .engines.piper import resolve_voice
 
     name, model, config = resolve_voice(voice, voice_dir)
     sha = file_sha256(model)["sha256"]

@@ -2,7 +2,7 @@
 
 A VITS voice spends most of its time (about 70% on CPU) in the flow and the decoder, whose cost
 follows each item's predicted frame count, while the planner can only sort by phoneme count. So the
-patched graph (see `piper.patch_graph`) is cut in memory where the durations appear - the Ceil
+patched graph (see `graph.patch_graph`) is cut in memory where the durations appear - the Ceil
 of the duration predictor's output, the node the frame-count pattern starts from:
 
 - stage 1: text encoder + duration predictor. Inputs as the whole graph; outputs the per-phoneme
@@ -17,7 +17,7 @@ fewest groups whose padding efficiency (real / computed frames) is at least a ta
 runs once per group. An item's stage-2 inputs are its own stage-1 rows trimmed to its phoneme count
 and zero-padded to its group's (zero is what the encoder leaves in padding, because its outputs are
 masked), so the audio does not depend on which group an item lands in. The frame-axis noise is drawn
-from the same per-item stream as the one-graph path (`piper.PiperEngine._noise`), exactly the
+from the same per-item stream as the one-graph path (`engine.PiperEngine._noise`), exactly the
 item's frame count long: it is the same audio, within float rounding of differently shaped batches.
 
 Nothing here names a node of a particular export: the cut is found from the graph's structure, so
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import VoiceError
+from ...errors import VoiceError
 
 DEFAULT_MIN_EFFICIENCY = 0.95
 

@@ -1,0 +1,425 @@
+"""Piper (VITS) voices on onnxruntime, batched.
+
+Facts this engine relies on (see the project notes on Piper voices):
+- inputs are zero-padded phoneme ids `[B, T]`, their lengths `[B]` and `scales` (noise, length,
+  noise_w); the output audio `[B, 1, 1, S]` is NOT silent past each item's end, so every item is
+  trimmed to its exact length, read from the graph's own frame-count tensor (Ceil -> ReduceSum ->
+  Clip -> Cast), which we expose as an extra output.
+- the graph draws its noise with two unseeded RandomNormalLike ops. We replace each by a slice of a
+  new graph input, and feed noise drawn from a generator seeded per item: an item's audio is then
+  reproducible and independent of the batch it lands in, even with noise on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ...checkpoint import file_sha256
+from ...errors import UsageError, VoiceError
+from ...plan import Unit
+from ..base import Alias, Engine, EngineOptions, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
+from .graph import patch_graph
+from .phonemes import MAX_PIECE_IDS, Phonemizer
+from .text import foreign_letters, normalize_symbols, voice_scripts
+from .voice import VoiceConfig, resolve_voice
+
+log = logging.getLogger("cosybatch")
+
+# Initial frame allowance for the decoder noise, per phoneme id and unit of length_scale. Speech
+# runs at about 2.3 frames per id; on a miss the batch is rerun with a larger allowance.
+NOISE_FRAMES_PER_ID = 4.0
+CUDA_PAD_MULTIPLE = 32
+
+
+@dataclass(frozen=True)
+class PhonemeIds:
+    """One sentence (or part of one) as phoneme ids, with the seed of its noise: a piece's payload."""
+
+    ids: np.ndarray  # int64 [T]
+    seed: int
+
+
+def _ort_errors():
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return (state.Fail, state.RuntimeException, state.InvalidArgument)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PiperOptions:
+    voice_dir: Optional[Path] = None
+    """Folder holding NAME.onnx + NAME.onnx.json voices that corpus rows may name."""
+    speaker: Optional[str] = None
+    """Speaker name or id for multi-speaker voices."""
+    noise_scale: Optional[float] = None
+    """Generator noise; unset: the voice's default."""
+    length_scale: Optional[float] = None
+    """Speaking-rate factor (>1 is slower); unset: the voice's default."""
+    noise_w: Optional[float] = None
+    """Duration noise; unset: the voice's default."""
+    conv2d: Optional[bool] = None
+    """Run 1-D convolutions as 2-D ones (same result, ~1.2x faster on CPU); unset: on for CPU."""
+    pad_multiple: Optional[int] = None
+    """Pad the phoneme axis to a multiple of this (CUDA reuses fewer shapes); unset: 1 on CPU, 32 on CUDA."""
+    max_piece_ids: int = MAX_PIECE_IDS
+    """Split longer sentences at clause, then word boundaries."""
+    two_stage: Optional[bool] = None
+    """Run the graph in two stages: text encoder + durations on the batch, then flow + decoder on
+    groups regrouped by real frame counts (docs/piper.md: "Two-stage batches"). Unset: two stages for
+    every batch of more than one piece, on any device (measured faster at batch 32 on the CPU)."""
+    stage2_efficiency: float = 0.95
+    """Two-stage only: cut each batch, sorted by frames, into the fewest decoder groups whose real
+    frames are at least this share of the computed ones (0: one group per batch)."""
+    precision: str = "fp32"
+    """fp32, or int8 (CPU only): a calibrated INT8 copy of the voice, built on first use and cached
+    (docs/piper.md: "INT8 voices"; `cosybatch quantize` builds it ahead)."""
+
+    def __post_init__(self) -> None:
+        if self.length_scale is not None and self.length_scale <= 0:
+            raise UsageError("--length-scale must be > 0")
+        for name in ("noise_scale", "noise_w"):
+            if (getattr(self, name) or 0) < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+        if (self.pad_multiple is not None and self.pad_multiple < 1) or self.max_piece_ids < 8:
+            raise UsageError("pad_multiple must be at least 1 and max_piece_ids at least 8")
+        if not 0.0 <= self.stage2_efficiency <= 1.0:
+            raise UsageError("stage2_efficiency must be between 0 and 1")
+        if self.precision not in ("fp32", "int8"):
+            raise UsageError(f"--precision {self.precision!r}: Piper voices run in fp32 or int8")
+
+
+class PiperEngine(Engine):
+    """A Piper voice: text -> sentences of phoneme ids -> batched, trimmed audio. One instance per
+    voice: rows naming other voices (from --voice-dir) get their own."""
+
+    name = "piper"
+    Options = PiperOptions
+    gpu_runtime = "onnxruntime"
+    aliases = (
+        Alias("voice_dir", Path, "voices NAME.onnx + NAME.onnx.json that corpus rows may name."),
+        Alias("speaker", str, "a speaker of a multi-speaker voice."),
+        Alias("precision", str, 'fp32|int8 (int8: docs/piper.md, "INT8 voices").'),
+        Alias("noise_scale", float, "generator noise (unset: the voice's default)."),
+        Alias("length_scale", float, "speaking-rate factor, >1 is slower (unset: the voice's default)."),
+        Alias("noise_w", float, "duration noise (unset: the voice's default)."),
+    )
+
+    @classmethod
+    def check(cls, voice: Optional[str], options: EngineOptions) -> dict:
+        return {"voice": resolve_voice(voice, options.engine.voice_dir)[0]}
+
+    @classmethod
+    def quantize(cls, voice: Optional[str], options: EngineOptions) -> dict:
+        """`cosybatch quantize`: the voice's calibrated INT8 model built into the cache (quant.py)."""
+        from .quant import quantize
+
+        return quantize(voice, options.engine.voice_dir)
+
+    def __init__(self, voice: Optional[str], options: EngineOptions):
+        import onnxruntime as ort
+
+        opts: PiperOptions = options.engine
+        self.voice_name, self.model_path, self.config_path = resolve_voice(
+            voice, opts.voice_dir, allow_paths=options.allow_paths
+        )
+        self.config = VoiceConfig.load(self.config_path)
+        if self.config.phoneme_type not in ("espeak", "text"):
+            raise VoiceError(f"voice {self.voice_name!r}: phoneme type {self.config.phoneme_type!r} "
+                             "is not supported (espeak and text are)")
+        self.sample_rate = self.config.sample_rate
+        self.scripts = voice_scripts(self.config.espeak_voice)
+        self.seed = options.seed
+        self.noise_scale = _pick(opts.noise_scale, self.config.noise_scale)
+        self.length_scale = _pick(opts.length_scale, self.config.length_scale)
+        self.noise_w = _pick(opts.noise_w, self.config.noise_w)
+        self.max_piece_ids = opts.max_piece_ids
+        self.phonemizer = Phonemizer(self.config, self.max_piece_ids)
+        self.speaker = self._speaker_id(opts.speaker)
+        providers = _providers(ort, options.device, options.memory_fraction)
+        # The 2-D convolution rewrite is measured on CPU only (benchmarks/cpu_settings.py).
+        on_cpu = providers == ["CPUExecutionProvider"]
+        self.conv2d = on_cpu if opts.conv2d is None else opts.conv2d
+        # On CUDA every new input shape costs a cuDNN algorithm search: pad the phoneme axis to a
+        # multiple of this so batches reuse a few shapes. Padding is masked, so audio is unchanged.
+        self.pad_multiple = opts.pad_multiple or (1 if on_cpu else CUDA_PAD_MULTIPLE)
+
+        self.model_sha256 = file_sha256(self.model_path)["sha256"]
+        self.precision = opts.precision
+        model_file = self.model_path
+        if self.precision == "int8":
+            if not on_cpu:
+                raise UsageError("--precision int8 is for the CPU (its int8 kernels are onnxruntime's CPU ones); "
+                                 "on CUDA use fp32")
+            from .quant import cached_int8
+
+            model_file = cached_int8(self.model_path, self.config_path, voice_sha256=self.model_sha256)
+        graph = patch_graph(model_file.read_bytes(), conv2d=self.conv2d)
+        self._graph = graph
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(1, options.threads)
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self._session = ort.InferenceSession(graph.model_bytes, so, providers=providers)
+        used = self._session.get_providers()
+        self.device = "cuda" if "CUDAExecutionProvider" in used else "cpu"
+        if options.device == "cuda" and self.device != "cuda":
+            raise UsageError("--device cuda: onnxruntime could not start its CUDA provider here; "
+                             "install onnxruntime-gpu on a machine with a working NVIDIA driver, or use --device cpu")
+        self._input_names = {i.name for i in self._session.get_inputs()}
+        self._output_names = [self._graph.length_output, "output"]
+        self._channels = self._probe_noise_channels()
+        self.two_stage = opts.two_stage  # None: auto, decided per batch (_use_two_stage)
+        self.stage2_efficiency = opts.stage2_efficiency
+        self._two_stage = None  # the stage sessions (split.TwoStage), opened on first use
+        self._two_stage_lock = threading.Lock()
+        if self.two_stage:  # asked for: a model that cannot be split fails now, not mid-run
+            self._stages()
+
+    # -- set-up helpers --------------------------------------------------------------------
+    def _speaker_id(self, speaker) -> int:
+        if speaker is None:
+            return 0
+        if self.config.num_speakers <= 1:
+            raise UsageError(f"voice {self.voice_name!r} has one speaker; drop --speaker")
+        if isinstance(speaker, str) and speaker in self.config.speaker_id_map:
+            return int(self.config.speaker_id_map[speaker])
+        try:
+            sid = int(speaker)
+        except ValueError:
+            raise UsageError(f"voice {self.voice_name!r} has no speaker {speaker!r}; speakers: "
+                             f"{sorted(self.config.speaker_id_map)}") from None
+        if not 0 <= sid < self.config.num_speakers:
+            raise UsageError(f"speaker id {sid} out of range 0..{self.config.num_speakers - 1}")
+        return sid
+
+    def _probe_noise_channels(self) -> tuple[int, ...]:
+        """Run a two-phoneme input once to learn each noise tensor's channel count."""
+        ids = np.array([[1, 0, 2]], dtype=np.int64)
+        feeds = self._feeds(ids, np.array([3], dtype=np.int64))
+        for name in self._graph.noise_inputs:
+            feeds[name] = np.zeros((1, 1024, 4096), dtype=np.float32)
+        shapes = self._session.run([f"{n}_shape" for n in self._graph.noise_inputs], feeds)
+        return tuple(int(s[1]) for s in shapes)
+
+    def _feeds(self, ids: np.ndarray, lengths: np.ndarray) -> dict:
+        feeds = {
+            "input": ids,
+            "input_lengths": lengths,
+            "scales": np.array([self.noise_scale, self.length_scale, self.noise_w], dtype=np.float32),
+        }
+        if "sid" in self._input_names:
+            feeds["sid"] = np.full(len(ids), self.speaker, dtype=np.int64)
+        return feeds
+
+    def describe(self) -> dict:
+        return {
+            "engine": self.name,
+            "voice": self.voice_name,
+            "model_sha256": self.model_sha256,
+            "sample_rate": self.sample_rate,
+            "noise_scale": self.noise_scale,
+            "length_scale": self.length_scale,
+            "noise_w": self.noise_w,
+            "speaker": self.speaker,
+            "max_piece_ids": self.max_piece_ids,
+            # fp32 adds nothing, so fingerprints of jobs from before int8 existed still match.
+            **(self._int8_describe() if self.precision == "int8" else {}),
+        }
+
+    def _int8_describe(self) -> dict:
+        from .quant import describe
+
+        return describe(self.model_sha256)
+
+    def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None) -> Prepared:
+        text = normalize_symbols(text, english=self.config.english)
+        if self.config.phoneme_type == "espeak":
+            foreign = foreign_letters(text, self.scripts)
+            if foreign:
+                sample = "".join(foreign[:10])
+                raise RowRejected(f"characters this voice ({self.config.espeak_voice}) cannot speak: "
+                                  f"{sample!r}; route the row to a voice for that language")
+        pieces: list[Piece] = []
+        for phonemes in self.phonemizer.phonemize(text):
+            # Pieces with no letter-like phoneme (only punctuation and spaces) make no sound.
+            if not any(p.strip() and p not in ".,:;!?¡¿—…\"'()-" for p in phonemes):
+                continue
+            ids, _missing = self.phonemizer.to_ids(phonemes)
+            if len(ids) <= 3:
+                continue
+            seed = item_seed(self.seed, item_id, len(pieces))
+            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed)))
+        if not pieces:
+            raise RowRejected("nothing pronounceable in the text for this voice")
+        return Prepared(tuple(pieces), text)
+
+    # -- audio -----------------------------------------------------------------------------
+    def _noise(self, pieces: Sequence[PhonemeIds], frame_allowance: float, input_width: int) -> dict:
+        """Per-item noise for the one-graph path, the frame axis sized by an allowance per id."""
+        feeds = {}
+        lengths = [len(p.ids) for p in pieces]
+        for k, (name, on_frames) in enumerate(zip(self._graph.noise_inputs, self._graph.noise_on_frames, strict=True)):
+            if on_frames:
+                times = [int(n * frame_allowance * max(self.length_scale, 0.1)) + 64 for n in lengths]
+            else:
+                times = lengths
+            width = max(times) if on_frames else input_width  # the phoneme axis may be padded
+            feeds[name] = self._noise_input(pieces, k, times, width)
+        return feeds
+
+    def _noise_input(self, pieces: Sequence[PhonemeIds], k: int, times: Sequence[int], width: int) -> np.ndarray:
+        """Noise input k [B, C, width]: item i's first times[i] steps from its own stream, which
+        depends only on its seed, never on the batch; zeros after."""
+        channels = self._channels[k]
+        noise = np.zeros((len(pieces), channels, width), dtype=np.float32)
+        scale = self.noise_scale if self._graph.noise_on_frames[k] else self.noise_w
+        if scale != 0.0:
+            for i, piece in enumerate(pieces):
+                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([piece.seed, k])))
+                # Drawn time-major, so the first t steps never depend on how many are drawn.
+                noise[i, :, : times[i]] = rng.standard_normal((times[i], channels), dtype=np.float32).T
+        return noise
+
+    def _batch_inputs(self, pieces: Sequence[PhonemeIds]) -> tuple[np.ndarray, np.ndarray, int]:
+        lengths = np.array([len(p.ids) for p in pieces], dtype=np.int64)
+        width = -(-int(lengths.max()) // self.pad_multiple) * self.pad_multiple
+        ids = np.zeros((len(pieces), width), dtype=np.int64)
+        for i, piece in enumerate(pieces):
+            ids[i, : len(piece.ids)] = piece.ids
+        return ids, lengths, width
+
+    def synthesize(self, units: Sequence[Unit]) -> Synthesised:
+        pieces = [u.payload for u in units]
+        if self._use_two_stage(len(pieces)):
+            stages = self._stages()
+            if stages is not None:
+                return self._synthesize_two_stage(stages, pieces)
+        ids, lengths, width = self._batch_inputs(pieces)
+        feeds = self._feeds(ids, lengths)
+        allowance = NOISE_FRAMES_PER_ID
+        for attempt in range(3):
+            feeds.update(self._noise(pieces, allowance, width))
+            try:
+                frames, audio = self._session.run(self._output_names, feeds)
+                break
+            except _ort_errors():
+                # The noise slice was shorter than the frames this batch needs: a very slow
+                # speaking rate. Rerun with four times the allowance.
+                if attempt == 2:
+                    raise
+                allowance *= 4
+        frames = frames.reshape(-1)
+        hop = self.config.hop
+        audio = audio.reshape(len(pieces), -1)
+        out = [audio[i, : int(frames[i]) * hop].astype(np.float32, copy=True) for i in range(len(pieces))]
+        return Synthesised(out, real_frames=int(frames.sum()), padded_frames=int(frames.max()) * len(pieces))
+
+    # -- two stages (split.py) ----------------------------------------------------------------
+    def _use_two_stage(self, batch: int) -> bool:
+        """Auto: two stages for batches of several pieces (a single piece gets the same audio,
+        bit for bit, from the one graph in one call). Measured faster at batch 32 on the CPU too
+        (benchmarks/piper_two_stage.py); at the CPU default of batch 1 it never opens."""
+        return batch > 1 if self.two_stage is None else self.two_stage
+
+    def _stages(self):
+        """The two stage sessions, opened once (thread-safe); None where auto found the model
+        cannot be split (the one graph then runs every batch)."""
+        with self._two_stage_lock:
+            if self._two_stage is None:
+                from .split import TwoStage
+
+                try:
+                    self._two_stage = TwoStage(self._session, self._graph.model_bytes, self._graph.length_output,
+                                               self._probe_feeds)
+                except VoiceError as exc:
+                    if self.two_stage:
+                        raise
+                    log.warning("voice %s runs as one graph: %s", self.voice_name, exc)
+                    self._two_stage = False
+            return self._two_stage or None
+
+    def _probe_feeds(self, lengths: list[int], width: int) -> dict:
+        """Stage-1 feeds for a dummy batch of `lengths` phoneme ids padded to `width` (<= 9)."""
+        ids = np.zeros((len(lengths), width), dtype=np.int64)
+        for i, n in enumerate(lengths):
+            ids[i, :n] = [1, 0, 2, 0, 3, 0, 4, 0, 5][:n]
+        feeds = self._feeds(ids, np.array(lengths, dtype=np.int64))
+        for k, name in enumerate(self._graph.noise_inputs):
+            if not self._graph.noise_on_frames[k]:
+                feeds[name] = np.zeros((len(lengths), self._channels[k], width), dtype=np.float32)
+        return feeds
+
+    def _synthesize_two_stage(self, stages, pieces: Sequence[PhonemeIds]) -> Synthesised:
+        """Stage 1 on the whole batch; stage 2 per group of similar real frame counts."""
+        from .split import group_by_frames
+
+        ids, lengths, width = self._batch_inputs(pieces)
+        feeds = self._feeds(ids, lengths)
+        for k, name in enumerate(self._graph.noise_inputs):
+            if not self._graph.noise_on_frames[k]:
+                feeds[name] = self._noise_input(pieces, k, lengths, width)
+        carried, frames = stages.align(feeds)
+        out: list = [None] * len(pieces)
+        padded = 0
+        hop = self.config.hop
+        for rows in group_by_frames(frames, self.stage2_efficiency):
+            group = [pieces[r] for r in rows]
+            need = [int(frames[r]) for r in rows]
+            direct = {}
+            for name in stages.split.stage2_inputs:
+                if name in self._graph.noise_inputs:
+                    direct[name] = self._noise_input(group, self._graph.noise_inputs.index(name), need, max(need))
+                elif name == "sid":
+                    direct[name] = feeds[name][rows]
+                else:
+                    direct[name] = feeds[name]
+            audio, got = stages.decode(carried, rows, lengths, direct, self.pad_multiple)
+            if list(got) != need:
+                raise VoiceError(f"two-stage frame counts {list(got)} differ from stage 1's {need}")
+            for g, r in enumerate(rows):
+                out[r] = audio[g, : need[g] * hop].astype(np.float32, copy=True)
+            padded += len(rows) * max(need)
+        return Synthesised(out, real_frames=int(frames.sum()), padded_frames=padded)
+
+
+def _pick(value, default: float) -> float:
+    return float(default if value is None else value)
+
+
+def _providers(ort, device: str, memory_fraction: float = 0.9) -> list:
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
+    from ... import gpu
+
+    cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    # auto: a GPU build on a machine without a GPU goes to the CPU at once, without onnxruntime's
+    # error lines about a CUDA provider it cannot load.
+    if cuda and device == "auto" and not gpu.cuda_driver_devices()[0]:
+        return ["CPUExecutionProvider"]
+    if device != "cpu" and cuda:
+        from ...gpu import device_total_bytes, ort_cuda_options, ort_preload_cuda
+
+        # The CUDA provider finds pip's CUDA and cuDNN libraries only once they are loaded.
+        note = ort_preload_cuda(ort)
+        if note:
+            log.warning("%s", note)
+        # HEURISTIC: EXHAUSTIVE re-benchmarks every new shape. kSameAsRequested: the arena grows by
+        # what is asked. gpu_mem_limit: --memory-fraction of the device (when nvidia-smi tells its size).
+        total = device_total_bytes()
+        return [("CUDAExecutionProvider", ort_cuda_options(int(total * memory_fraction) if total else None)),
+                "CPUExecutionProvider"]
+    if device == "cuda":
+        raise UsageError("--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu as the "
+                         "README's GPU install says (`cosybatch doctor` shows what is installed), or use --device cpu")
+    return ["CPUExecutionProvider"]

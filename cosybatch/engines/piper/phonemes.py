@@ -1,0 +1,125 @@
+"""Text -> phonemes -> phoneme ids for a Piper voice: espeak-ng's clauses (through the bridge that
+piper-tts ships), cut into pieces the model takes. One `Phonemizer` serves the engine and the INT8
+calibration, so both see the same ids for the same text."""
+
+from __future__ import annotations
+
+import re
+import threading
+import unicodedata
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .voice import VoiceConfig
+
+# Pieces longer than this many phoneme ids are split at clause, then word boundaries: very long
+# sequences cost quadratic attention time and memory and gain nothing in prosody.
+MAX_PIECE_IDS = 600
+_ESPEAK_LOCK = threading.Lock()  # espeak-ng keeps global state: one caller at a time
+_ESPEAK_READY = False
+_LANG_SWITCH = re.compile(r"\([^)]*\)")  # espeak marks foreign words as (fr)...(en)
+_CLAUSE_BREAKS = (",", ":", ";")
+
+
+def espeak_clauses(voice: str, text: str) -> list[tuple[str, bool]]:
+    """Text -> [(phoneme string of one clause, ends a sentence)]."""
+    global _ESPEAK_READY
+    from piper import espeakbridge
+    from piper.phonemize_espeak import ESPEAK_DATA_DIR
+
+    with _ESPEAK_LOCK:
+        if not _ESPEAK_READY:
+            espeakbridge.initialize(str(ESPEAK_DATA_DIR))
+            _ESPEAK_READY = True
+        espeakbridge.set_voice(voice)
+        raw = espeakbridge.get_phonemes(text)
+    clauses = []
+    for phonemes, terminator, end_of_sentence in raw:
+        phonemes = _LANG_SWITCH.sub("", phonemes) + terminator
+        if terminator in _CLAUSE_BREAKS:
+            phonemes += " "
+        clauses.append((phonemes, bool(end_of_sentence)))
+    return clauses
+
+
+def _merge_clusters(phonemes: list[str], clusters: frozenset) -> list[str]:
+    if not clusters:
+        return phonemes
+    longest = max(len(c) for c in clusters)
+    out, i = [], 0
+    while i < len(phonemes):
+        for n in range(min(longest, len(phonemes) - i), 1, -1):
+            if tuple(phonemes[i : i + n]) in clusters:
+                out.append("".join(phonemes[i : i + n]))
+                i += n
+                break
+        else:
+            out.append(phonemes[i])
+            i += 1
+    return out
+
+
+def _split_words(phonemes: list[str], limit: int) -> list[list[str]]:
+    """Split an over-long clause at spaces (word boundaries), or hard at `limit` if it has none."""
+    chunks, current = [], []
+    for p in phonemes:
+        current.append(p)
+        if len(current) >= limit:
+            cut = max((i for i, q in enumerate(current) if q == " "), default=-1)
+            if cut <= 0:
+                cut = len(current) - 1
+            chunks.append(current[: cut + 1])
+            current = current[cut + 1 :]
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class Phonemizer:
+    """A voice's text -> pieces of phonemes -> phoneme ids, with no model loaded. Thread-safe."""
+
+    def __init__(self, config: VoiceConfig, max_piece_ids: int = MAX_PIECE_IDS) -> None:
+        self.config = config
+        self.max_piece_ids = max_piece_ids
+
+    def phonemize(self, text: str) -> list[list[str]]:
+        """Text -> pieces of phonemes: sentences, split further where one is over-long."""
+        if self.config.phoneme_type == "text":
+            return [list(unicodedata.normalize("NFD", text))]
+        limit = max(8, (self.max_piece_ids - 3) // 2)  # ids: ^ _ (p _)* $ = 2 x phonemes + 3
+        pieces: list[list[str]] = []
+        current: list[str] = []
+        for phonemes, end_of_sentence in espeak_clauses(self.config.espeak_voice, text):
+            clause = _merge_clusters(list(unicodedata.normalize("NFD", phonemes)), self.config.vowel_clusters)
+            if current and len(current) + len(clause) > limit:
+                pieces.append(current)
+                current = []
+            if len(clause) > limit:
+                *full, clause = _split_words(clause, limit)
+                pieces.extend(full)
+            current.extend(clause)
+            if end_of_sentence:
+                pieces.append(current)
+                current = []
+        if current:
+            pieces.append(current)
+        return pieces
+
+    def to_ids(self, phonemes: Sequence[str]) -> tuple[np.ndarray, int]:
+        """Phonemes -> `^ _ p1 _ p2 _ ... $` ids, and how many phonemes the voice lacked."""
+        id_map = self.config.phoneme_id_map
+        pad = id_map["_"]
+        ids = list(id_map["^"]) + list(pad)
+        missing = 0
+        for p in phonemes:
+            mapped = id_map.get(p)
+            if mapped is None:
+                missing += 1
+                continue
+            ids.extend(mapped)
+            ids.extend(pad)
+        ids.extend(id_map["$"])
+        return np.asarray(ids, dtype=np.int64), missing
