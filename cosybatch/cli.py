@@ -135,11 +135,11 @@ def run(ctx: typer.Context, **values) -> None:
             values.update(_spec_values(ctx, job))
         cfg = _build_config(values)
         if check:
-            from .job import check as check_job
+            from .run.job import check as check_job
 
             print(json.dumps(check_job(cfg), default=str))
             raise typer.Exit(EXIT_OK)
-        from .job import run as run_job
+        from .run.job import run as run_job
 
         result = run_job(cfg)
     except CosybatchError as exc:
@@ -218,7 +218,7 @@ def _typed(job: Path, key: str, value, hint):
 
 
 def _build_config(v: dict) -> RunConfig:
-    from .distributed import parse_shard
+    from .store.distributed import parse_shard
 
     if v["corpus"] is None:
         raise UsageError("no corpus: give CORPUS or `corpus` in the --job spec")
@@ -271,8 +271,8 @@ def ray_run_cmd(ctx: typer.Context, **given) -> None:
     ray_flags = {name: given.pop(name) for name in RAY_FLAGS}
     job = given.pop("job")
     try:
-        from .ray_run import RayOptions
-        from .ray_run import ray_run as run_on_ray
+        from .run.ray import RayOptions
+        from .run.ray import ray_run as run_on_ray
 
         values = _run_defaults()
         if job is not None:
@@ -309,7 +309,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a line of text."),
 ) -> None:
     """Show done/failed/total, rate and ETA of a running or finished job without disturbing it."""
-    from .status import describe, job_status
+    from .store.status import describe, job_status
 
     try:
         result = job_status(out)
@@ -326,7 +326,7 @@ def verify_cmd(
     """Read every shard whole and check it against the manifest: each id in exactly one readable
     KEY.wav + KEY.json pair with the manifest's length. Exit 0 when all is well, 3 listing each
     problem otherwise."""
-    from .verify import describe, verify
+    from .store.verify import describe, verify
 
     try:
         result = verify(out)
@@ -414,7 +414,7 @@ def merge(
     partial: bool = typer.Option(False, "--partial", help="Merge the finished parts even if some are not."),
 ) -> None:
     """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet."""
-    from .distributed import merge as merge_parts
+    from .store.distributed import merge as merge_parts
 
     try:
         result = merge_parts(root, allow_partial=partial)
@@ -429,7 +429,7 @@ def export_cmd(
     to: str = typer.Option(..., "--to", help="Comma-separated formats: hf, nemo, lhotse."),
 ) -> None:
     """Write the dataset in other formats under OUT/exports/."""
-    from .exports import export
+    from .store.exports import export
 
     try:
         written = {fmt: str(export(out, fmt.strip())) for fmt in to.split(",") if fmt.strip()}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
-from .checkpoint import file_sha256
+from .cache import file_sha256
 from .errors import CorpusError
 
 PARQUET_BATCH_ROWS = 4096

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cosybatch.corpus import BadRow, Columns, Corpus, Row
 from cosybatch.errors import CorpusError
-from cosybatch.shards import item_key
+from cosybatch.store.shards import item_key
 
 
 def test_jsonl_bad_lines_are_recorded_and_good_rows_kept(tmp_path):

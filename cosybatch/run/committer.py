@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
-from .checkpoint import FAILURES_FILE, Journal, ResumeState
-from .config import RunConfig
+from ..config import RunConfig
+from ..metrics import BatchHistogram
+from ..stats import Progress, Stats
+from ..store.checkpoint import FAILURES_FILE, Journal, ResumeState
+from ..store.shards import ShardWriter
 from .executor import EngineSet, Outcome, RowAssembler, render_rows
-from .metrics import BatchHistogram
-from .shards import ShardWriter
-from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
 

@@ -19,8 +19,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
 
-from . import __version__
-from .checkpoint import (
+from .. import __version__
+from ..config import RunConfig
+from ..corpus import BadRow, Columns, Corpus, Row
+from ..errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TOO_MANY_FAILURES,
+    CorpusError,
+    OutputError,
+    UsageError,
+)
+from ..stats import Progress, Stats
+from ..store.checkpoint import (
     CORPUS_CHANGES_FILE,
     DUPLICATE_ID,
     RUN_FILE,
@@ -34,22 +45,11 @@ from .checkpoint import (
     jsonl_bytes,
     write_atomic,
 )
+from ..store.distributed import part_name
+from ..store.repair import check_sizes, repair
 from .committer import DONE, Committer
-from .config import RunConfig
-from .corpus import BadRow, Columns, Corpus, Row
-from .distributed import part_name
-from .errors import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_TOO_MANY_FAILURES,
-    CorpusError,
-    OutputError,
-    UsageError,
-)
 from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch, source_hash
 from .producer import Producer
-from .repair import check_sizes, repair
-from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
 
@@ -169,7 +169,7 @@ def _remove_unstarted(out: OutputDir, created: list[Path], state_existed: bool) 
     if out.job_file.exists():
         return
     if not state_existed:
-        from .checkpoint import LOCK_FILE
+        from ..store.checkpoint import LOCK_FILE
 
         try:
             (out.state / LOCK_FILE).unlink(missing_ok=True)
@@ -189,7 +189,7 @@ def check_device(cfg: RunConfig) -> None:
     would come later, at load). Engines say what runs them on a GPU (`Engine.gpu_runtime`)."""
     if cfg.device != "cuda":
         return
-    from .gpu import cuda_problem
+    from ..gpu import cuda_problem
 
     cls = cfg.engine_class()
     runtime = cls.gpu_runtime or ("torch" if cls.needs_torch_allocator else None)
@@ -202,7 +202,7 @@ def check_device(cfg: RunConfig) -> None:
 def configure_gpu_allocator(cfg: RunConfig) -> None:
     """For engines that run torch on a GPU: its allocator is chosen before torch can start CUDA."""
     if cfg.engine_class().needs_torch_allocator and cfg.device != "cpu":
-        from .gpu import configure_allocator
+        from ..gpu import configure_allocator
 
         note = configure_allocator()
         if note:
@@ -453,7 +453,7 @@ class _Job:
             self._write_metrics(self._snapshot("running"))
 
     def _snapshot(self, status: str, **extra) -> dict:
-        from .gpu import memory_stats
+        from ..gpu import memory_stats
 
         engine = self.default_engine
         return self.stats.to_dict(
@@ -469,7 +469,7 @@ class _Job:
         )
 
     def _metrics_job(self) -> str:
-        from .metrics import default_job_name
+        from ..metrics import default_job_name
 
         root = self.cfg.out.parent if self.cfg.shard_count is not None else self.cfg.out  # the job, not the part
         return self.cfg.metrics_job or default_job_name(root)
@@ -481,14 +481,14 @@ class _Job:
         return {"shard": f"{self.cfg.shard_index}/{self.cfg.shard_count}"}
 
     def _metrics_registry(self, snapshot: dict):
-        from .metrics import registry
+        from ..metrics import registry
 
         # Not `job`: that is the target label a scrape sets (it would rename ours exported_job).
         labels = {"cosybatch_job": self._metrics_job(), **self._metrics_grouping()}
         return registry(snapshot, self.committer.batch_seconds, labels)
 
     def _write_metrics(self, snapshot: dict) -> None:
-        from .metrics import write_textfile
+        from ..metrics import write_textfile
 
         self._metrics_written = time.monotonic()
         try:
@@ -520,7 +520,7 @@ class _Job:
         status = ("too_many_failures" if too_many_failures else "interrupted" if interrupted
                   else "damaged" if problems else "corpus_error" if corpus_error else "complete")
         if status == "complete" and self.cfg.export:
-            from .exports import export
+            from ..store.exports import export
 
             for fmt in self.cfg.export:
                 export(self.cfg.out, fmt, require_complete=False)
@@ -534,7 +534,7 @@ class _Job:
         if self.cfg.metrics_file is not None:
             self._write_metrics(stats)
         if self.cfg.pushgateway:
-            from .metrics import push
+            from ..metrics import push
 
             try:
                 push(self.cfg.pushgateway, self._metrics_registry(stats), job=self._metrics_job(),

@@ -1,7 +1,7 @@
 """cosybatch on Ray: the same engines and output format, across a Ray cluster's machines.
 
     from cosybatch.config import RunConfig
-    from cosybatch.ray_run import RayOptions, ray_run
+    from cosybatch.run.ray import RayOptions, ray_run
     ray_run(RunConfig(corpus=Path("corpus.parquet"), out=Path("s3-mounted/out")),
             RayOptions(address="auto", actors=8, num_gpus=1))
 
@@ -32,8 +32,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from . import __version__
-from .checkpoint import (
+from .. import __version__
+from ..config import RunConfig, cpu_count
+from ..corpus import BadRow, Corpus, Row
+from ..engines import RowRejected
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
+from ..stats import Progress, Stats
+from ..store.checkpoint import (
     FAILURES_FILE,
     RAY_FAILURES_DIR,
     STATS_FILE,
@@ -44,10 +49,7 @@ from .checkpoint import (
     write_atomic,
     write_manifest_table,
 )
-from .config import RunConfig, cpu_count
-from .corpus import BadRow, Corpus, Row
-from .engines import RowRejected
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
+from ..store.shards import ShardWriter
 from .executor import BatchPolicy, EngineSet, RowAssembler, render_rows, run_batch
 from .job import (
     RowGate,
@@ -57,8 +59,6 @@ from .job import (
     job_fingerprint,
     open_corpus,
 )
-from .shards import ShardWriter
-from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
 
@@ -150,7 +150,7 @@ class SynthWorker:
 
 def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
     """(item records from every finished shard, failure records) - the state of a ray-run job."""
-    from .exports import iter_shard
+    from ..store.exports import iter_shard
 
     items = []
     for shard in sorted(out.root.glob("shard-*.tar")):
@@ -334,7 +334,7 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
                       cfg.out / FAILURES_FILE)
             return RunResult("too_many_failures", EXIT_TOO_MANY_FAILURES, snapshot)
         if status == "complete":
-            from .exports import export
+            from ..store.exports import export
 
             for fmt in cfg.export:
                 export(cfg.out, fmt, require_complete=False)

@@ -15,7 +15,6 @@ each shard must be.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -27,32 +26,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
-from .errors import ResumeMismatchError, UsageError
+from ..cache import file_fingerprint, file_sha256  # noqa: F401  (re-exported: fingerprints of the job)
+from ..errors import ResumeMismatchError, UsageError
 from .shards import fsync_dir, shard_name
-
-
-def file_fingerprint(path: Path) -> dict:
-    """Identifies a (possibly multi-GB) file cheaply: its size and a hash of its first and last MiB."""
-    size = path.stat().st_size
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 2 << 20:
-            f.seek(size - (1 << 20))
-            h.update(f.read())
-    return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
-
-
-def file_sha256(path: Path) -> dict:
-    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB)."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": h.hexdigest()}
-
 
 STATE_DIR = ".cosybatch"
 JOB_FILE = "job.json"

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
-from .errors import CorpusError, UsageError
+from ..errors import CorpusError, UsageError
 
 INDEX_VARIABLES = ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "COSYBATCH_SHARD_INDEX")
 
