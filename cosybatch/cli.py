@@ -139,7 +139,7 @@ def run(ctx: typer.Context, **values) -> None:
 
             print(json.dumps(check_job(cfg), default=str))
             raise typer.Exit(EXIT_OK)
-        from .run.job import run as run_job
+        from .run.local import run as run_job
 
         result = run_job(cfg)
     except CosybatchError as exc:

@@ -13,7 +13,7 @@ from conftest import write_jsonl, write_parquet
 from helpers import read_output
 
 from cosybatch.config import RunConfig
-from cosybatch.run.job import run
+from cosybatch.run.local import run
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:

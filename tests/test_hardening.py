@@ -20,7 +20,7 @@ from test_resume import committed_items, corpus_rows, start, wait_for_items
 
 from cosybatch.config import RunConfig
 from cosybatch.errors import CorpusError, OutputError, UsageError
-from cosybatch.run.job import run
+from cosybatch.run.local import run
 from cosybatch.store.shards import ShardWriter
 
 

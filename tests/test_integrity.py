@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from cosybatch.config import RunConfig
 from cosybatch.errors import CorpusError, ResumeMismatchError
-from cosybatch.run.job import run
+from cosybatch.run.local import run
 from cosybatch.store.checkpoint import Journal
 from cosybatch.store.shards import MAX_KEY_CHARS, item_key
 

@@ -16,7 +16,7 @@ from cosybatch.engines import Synthesised
 from cosybatch.engines.piper import PiperEngine
 from cosybatch.plan import Batch, BudgetGuard, Unit, plan_batches
 from cosybatch.run.executor import run_batch
-from cosybatch.run.job import run
+from cosybatch.run.local import run
 
 SENTENCES = ["The kettle is boiling.", "Close the window, please.", "Rain is expected today.",
              "The library opens at nine.", "Bring a warm coat.", "The train leaves soon."]

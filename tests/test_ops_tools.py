@@ -20,7 +20,7 @@ from conftest import ROOT, write_parquet
 from test_resume import corpus_rows
 
 from cosybatch.config import RunConfig
-from cosybatch.run.job import run
+from cosybatch.run.local import run
 
 
 def cosybatch(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -418,7 +418,7 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
     pytest.importorskip("ray")
     from helpers import read_output
 
-    from cosybatch.run import ray as ray_module
+    from cosybatch.run import job as job_module
     from cosybatch.run.ray import RayOptions, ray_run
 
     handled = []
@@ -438,7 +438,7 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
 
     when = {"point": "first chunk"}
 
-    class Progress(ray_module.Progress):
+    class Progress(job_module.Progress):
         def update(self, items, audio_s):
             super().update(items, audio_s)
             if when["point"] == "first chunk":
@@ -453,7 +453,7 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
 
     seen = Seen()
     logging.getLogger("cosybatch").addHandler(seen)
-    monkeypatch.setattr(ray_module, "Progress", Progress)
+    monkeypatch.setattr(job_module, "Progress", Progress)
     data = [{"id": f"r{i}", "text": f"Row {i} is here."} for i in range(24)]
     corpus = write_parquet(tmp_path / "c.parquet", data)
     cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")

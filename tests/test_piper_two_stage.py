@@ -17,7 +17,7 @@ from cosybatch.engines.piper import PiperOptions
 from cosybatch.engines.piper_split import group_by_frames
 from cosybatch.errors import UsageError
 from cosybatch.plan import Unit
-from cosybatch.run.job import run
+from cosybatch.run.local import run
 
 # Peaks of this voice's speech are 0.3-0.7. Batched audio differs from an item's single run only by
 # float rounding of differently shaped convolutions, and near its end where a padded batch's decoder

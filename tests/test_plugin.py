@@ -89,7 +89,7 @@ def test_plugin_options_are_checked_with_errors_that_name_the_key(tmp_path):
 def test_a_plugin_engine_under_ray_run_matches_run(tmp_path):
     pytest.importorskip("ray")
     from cosybatch.config import RunConfig
-    from cosybatch.run.job import run
+    from cosybatch.run.local import run
     from cosybatch.run.ray import RayOptions, ray_run
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"t{i}", "text": t} for i, t in enumerate(TEXTS)])

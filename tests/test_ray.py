@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 
 from cosybatch.config import RunConfig  # noqa: E402
 from cosybatch.corpus import Row  # noqa: E402
-from cosybatch.run.job import run  # noqa: E402
+from cosybatch.run.local import run  # noqa: E402
 from cosybatch.run.ray import RayOptions, SynthWorker, ray_run  # noqa: E402
 
 

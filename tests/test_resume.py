@@ -17,7 +17,7 @@ from helpers import read_output
 
 from cosybatch.config import RunConfig
 from cosybatch.errors import ResumeMismatchError
-from cosybatch.run.job import run
+from cosybatch.run.local import run
 from cosybatch.store.checkpoint import Journal
 
 

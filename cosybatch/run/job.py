@@ -1,8 +1,12 @@
-"""One job, end to end: corpus -> plan -> engine -> shards + journal -> stats.
+"""One job's life, for `cosybatch run` and `cosybatch ray-run` alike: open the output folder,
+fingerprint the job, resume what is committed, enforce the limits (--max-failures,
+--max-runtime), turn signals into a clean stop, and finish (manifest, checks, stats, metrics,
+exports, exit code). The two runners only dispatch rows to engines and commit what comes back:
+`local.LocalRunner` (threads on this machine) and `ray.RayRunner` (a Ray actor pool).
 
-Threads: the main thread reads and prepares rows and plans each window; `workers` inference
-threads run batches (onnxruntime releases the GIL while it computes); one writer thread commits
-finished batches in plan order. Queues between them are bounded, so memory stays bounded.
+The data path, in `Job._run`, one line:
+
+    corpus -> plan (runner) -> engine (runner) -> writer (runner) -> checkpoint -> stats
 """
 
 from __future__ import annotations
@@ -11,10 +15,10 @@ import errno
 import json
 import logging
 import os
-import queue
 import signal
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
@@ -32,24 +36,18 @@ from ..errors import (
 )
 from ..stats import Progress, Stats
 from ..store.checkpoint import (
-    CORPUS_CHANGES_FILE,
     DUPLICATE_ID,
+    FAILURES_FILE,
     RUN_FILE,
     STATS_FILE,
-    Journal,
-    Ledger,
     OutputDir,
-    differences,
+    ResumeState,
     file_fingerprint,
     json_bytes,
-    jsonl_bytes,
     write_atomic,
 )
 from ..store.distributed import part_name
-from ..store.repair import check_sizes, repair
-from .committer import DONE, Committer
-from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch, source_hash
-from .producer import Producer
+from .executor import source_hash
 
 log = logging.getLogger("cosybatch")
 
@@ -63,14 +61,26 @@ class RunResult:
     stats: dict = field(default_factory=dict)
 
     def summary_line(self) -> str:
+        """The JSON line a run prints last on stdout (Airflow's XCom reads it). Its keys:
+
+        - ``status``: complete, interrupted, too_many_failures, damaged or corpus_error;
+        - ``out``: the output folder;
+        - ``items_done``, ``items_failed``, ``audio_seconds``: what THIS run did (on a resume,
+          only the rows it added), the same numbers as stats.json's keys of those names;
+        - ``audio_seconds_per_wall_second``: this run's rate;
+        - ``job_totals``: ``items_done``, ``items_failed`` and ``audio_seconds`` of the whole
+          job, every run so far included (stats.json's ``job_totals``).
+        """
         s = self.stats
+        totals = s.get("job_totals", {})
         return json.dumps({
             "status": self.status,
             "out": s.get("out"),
-            "items_done": s.get("job_totals", {}).get("items_done"),
-            "items_failed": s.get("job_totals", {}).get("items_failed"),
-            "audio_seconds": s.get("job_totals", {}).get("audio_seconds"),
+            "items_done": s.get("items_done"),
+            "items_failed": s.get("items_failed"),
+            "audio_seconds": s.get("audio_seconds"),
             "audio_seconds_per_wall_second": s.get("audio_seconds_per_wall_second"),
+            "job_totals": {key: totals.get(key) for key in ("items_done", "items_failed", "audio_seconds")},
         })
 
 
@@ -114,18 +124,57 @@ class RowGate:
         return row
 
 
-def run(cfg: RunConfig) -> RunResult:
-    configure_gpu_allocator(cfg)
-    # What `run --check` checks, before anything is written: a start that fails here leaves no folder.
-    check_device(cfg)
-    cfg.engine_class().check(cfg.voice, cfg.engine_options_for())
-    if cfg.shard_count is not None:
-        # Each worker owns a self-contained folder; `cosybatch merge` presents them as one.
-        part = part_name(cfg.shard_index, cfg.shard_count)
-        metrics = cfg.metrics_file
-        if metrics is not None:  # workers sharing a volume must not overwrite each other's file
-            metrics = metrics.with_name(f"{metrics.stem}.{part}{metrics.suffix}")
-        cfg = replace(cfg, out=cfg.out / part, metrics_file=metrics)
+
+
+class Runner(ABC):
+    """How a job's rows reach the engines and how what comes back is committed. The job calls
+    these in order: `check`, `start`, `resume`, `dispatch`, `end`, and `close` in every case."""
+
+    name: Optional[str] = None  # recorded in the job's fingerprint ("ray"); None for `run`
+    stopping = "finishing the batches in flight, then stopping"  # logged on SIGINT/SIGTERM
+    batch_seconds = None  # a metrics.BatchHistogram of batch compute times, where the runner keeps one
+
+    @abstractmethod
+    def check(self, cfg: RunConfig) -> RunConfig:
+        """Refuse what this runner cannot do before anything is written; the config to run."""
+
+    @abstractmethod
+    def start(self, job: Job) -> dict:
+        """Load the engines. Returns the engine's `fingerprint()` under "fingerprint"."""
+
+    @abstractmethod
+    def resume(self, job: Job, corpus_was: Optional[dict]) -> tuple[ResumeState, Optional[dict]]:
+        """What the folder holds (after checking and repairing it): the resume state, and, after an
+        accepted corpus change, committed id -> source hash of the row it was made from."""
+
+    @abstractmethod
+    def dispatch(self, job: Job, corpus: Corpus, gate: RowGate) -> None:
+        """Plan, synthesise and commit every row the gate admits, until done or `job.stop`."""
+
+    @abstractmethod
+    def interrupted(self, job: Job) -> bool:
+        """Whether a stop left work undone (a stop after the last commit interrupted nothing)."""
+
+    @abstractmethod
+    def end(self, job: Job, interrupted: bool) -> tuple[list[str], dict]:
+        """Close the writer and write the manifest and failures file: (problems found, stats extras)."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """The engine and batching fields of stats.json."""
+
+    def stopped_for_failures(self) -> bool:
+        """Whether the writer already stopped the run for --max-failures."""
+        return False
+
+    def close(self) -> None:  # noqa: B027  (optional: only a runner that took something overrides it)
+        """Release what `start` took (a Ray cluster)."""
+
+
+def run_job(cfg: RunConfig, runner: Runner) -> RunResult:
+    """Open the output folder, run the job with `runner`, and leave the folder unlocked (and, if
+    the job never started, as it was)."""
+    cfg = runner.check(cfg)  # what `run --check` checks, before anything is written
     out = OutputDir(cfg.out)
     created = _missing_folders(cfg.out)  # removed again if the job never starts (no job.json)
     state_existed = out.state.exists()
@@ -140,14 +189,236 @@ def run(cfg: RunConfig) -> RunResult:
         raise UsageError(f"cannot use {cfg.out} as the output folder ({exc.strerror or exc}); "
                          "choose a writable --out") from None
     try:
-        return _Job(cfg, out).run()
+        return Job(cfg, out, runner).run()
     except OSError as exc:
         if _about_output(cfg, exc):
             raise _output_error(cfg, exc) from exc
         raise
     finally:
+        runner.close()
         _remove_unstarted(out, created, state_existed)
         out.unlock()
+
+
+def part_config(cfg: RunConfig) -> RunConfig:
+    """A sharded worker's config: each worker owns a self-contained folder OUT/part-I-of-N, which
+    `cosybatch merge` presents as one, and its own metrics file."""
+    if cfg.shard_count is None:
+        return cfg
+    part = part_name(cfg.shard_index, cfg.shard_count)
+    metrics = cfg.metrics_file
+    if metrics is not None:  # workers sharing a volume must not overwrite each other's file
+        metrics = metrics.with_name(f"{metrics.stem}.{part}{metrics.suffix}")
+    return replace(cfg, out=cfg.out / part, metrics_file=metrics)
+
+
+class Job:
+    """One run of a job: set-up and resume, the runner's dispatch, signals and --max-runtime,
+    the failure limit, and the end (manifest, checks, stats, metrics, exports)."""
+
+    def __init__(self, cfg: RunConfig, out: OutputDir, runner: Runner):
+        self.cfg = cfg
+        self.out = out
+        self.runner = runner
+        self.stats = Stats()
+        self.stop = threading.Event()
+        self.interrupted_by: Optional[str] = None
+        self.repairs: list[str] = []
+        self.last_success: Optional[float] = None  # when a run of this job last completed (stats.json)
+        self.progress: Optional[Progress] = None
+        self.corpus: Optional[Corpus] = None
+        self._metrics_failed = False
+        self._metrics_written = 0.0
+
+    def run(self) -> RunResult:
+        """Signals and --max-runtime turn into a clean stop from the very start, model load included."""
+        restore = self._install_signal_handlers()
+        timer = None
+        if self.cfg.max_runtime is not None:
+            timer = threading.Timer(self.cfg.max_runtime, self.request_stop, args=("--max-runtime",))
+            timer.daemon = True
+            timer.start()
+        try:
+            return self._run()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            restore()
+
+    def request_stop(self, why: str) -> None:
+        if not self.stop.is_set():
+            self.interrupted_by = why
+            self.stop.set()
+
+    # -- the straight line -------------------------------------------------------------------
+    def _run(self) -> RunResult:
+        cfg = self.cfg
+        corpus = self.corpus = open_corpus(cfg)                    # corpus: rows in file order
+        t0 = time.monotonic()
+        engine = self.runner.start(self)                           # engine: loaded where it runs
+        self.stats.stage_s["load"] = time.monotonic() - t0
+        state, committed = self._open(corpus, engine["fingerprint"])  # checkpoint: what is done
+        gate = RowGate(state.done_ids, state.failed_rows, cfg.max_chars, committed)
+        self.progress = Progress(self._total_rows(corpus), state.items + state.failures, cfg.progress,
+                                 cfg.log_every)
+        try:
+            self.runner.dispatch(self, corpus, gate)               # plan -> engine -> writer
+        finally:
+            self.progress.close()
+        return self._finish()                                      # manifest -> stats
+
+    def _open(self, corpus: Corpus, engine_fingerprint: dict) -> tuple[ResumeState, Optional[dict]]:
+        """Record the job, or check that the folder holds this job, and read what is committed."""
+        cfg = self.cfg
+        fingerprint = job_fingerprint(cfg, corpus, engine_fingerprint, runner=self.runner.name)
+        adopt_legacy_fingerprint(self.out, cfg, corpus, fingerprint)
+        was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
+        state, committed = self.runner.resume(self, was)
+        self.last_success = _previous_success(cfg.out)
+        self.stats.previous_items_done = state.items
+        self.stats.previous_items_failed = state.failures
+        self.stats.previous_audio_s = state.audio_s
+        if was is not None:
+            log.info("resuming %s: %d items done, %d failed before", cfg.out, state.items, state.failures)
+        write_atomic(self.out.state / RUN_FILE, json_bytes({
+            "pid": os.getpid(), "started": time.time(), "corpus": str(cfg.corpus.resolve()),
+            "total_rows": self._total_rows(corpus), "total_is_estimate": cfg.shard_count is not None,
+            "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count]}))
+        return state, committed
+
+    def _total_rows(self, corpus: Corpus) -> Optional[int]:
+        cfg = self.cfg
+        total = corpus.num_rows
+        if total is not None and cfg.limit:
+            total = min(total, cfg.limit)
+        if total is not None and cfg.shard_count is not None:
+            total = -(-total // cfg.shard_count)  # an estimate: ids spread evenly over workers
+        return total
+
+    # -- limits --------------------------------------------------------------------------------
+    def failure_limit_passed(self) -> Optional[str]:
+        """None, or why the job's failures (every run so far) pass --max-failures: "2 of 45 rows
+        failed (4.4%), more than 2%"."""
+        failed = self.stats.previous_items_failed + self.stats.items_failed
+        done = self.stats.previous_items_done + self.stats.items_done
+        max_failed, max_failed_rate = self.cfg.failure_limit()
+        over = (max_failed_rate is not None and failed > max_failed_rate * max(done + failed, 1)) or (
+            max_failed is not None and failed > max_failed)
+        if not over and not self.runner.stopped_for_failures():
+            return None
+        return failure_summary(failed, done + failed, self.cfg.max_failures)
+
+    # -- interruption ------------------------------------------------------------------------
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum, _frame):
+            if not self.stop.is_set():
+                log.warning("%s: %s", signal.Signals(signum).name, self.runner.stopping)
+            self.request_stop(signal.Signals(signum).name)
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore():
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return restore
+
+    # -- the end -----------------------------------------------------------------------------
+    def metrics_while_running(self) -> None:
+        if self.cfg.metrics_file is not None and time.monotonic() - self._metrics_written >= METRICS_EVERY_S:
+            self._write_metrics(self._snapshot("running"))
+
+    def _snapshot(self, status: str, **extra) -> dict:
+        cfg = self.cfg
+        return self.stats.to_dict(
+            status=status, out=str(cfg.out), **self.runner.describe(), cosybatch=__version__,
+            cold_start_seconds=round(self.stats.stage_s["load"], 3),
+            shard=None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
+            last_success_timestamp_seconds=self.last_success,
+            **extra,
+        )
+
+    def _metrics_job(self) -> str:
+        from ..metrics import default_job_name
+
+        root = self.cfg.out.parent if self.cfg.shard_count is not None else self.cfg.out  # the job, not the part
+        return self.cfg.metrics_job or default_job_name(root)
+
+    def _metrics_grouping(self) -> dict[str, str]:
+        """The shard, when sharded: one Pushgateway group (and one series) per worker."""
+        if self.cfg.shard_count is None:
+            return {}
+        return {"shard": f"{self.cfg.shard_index}/{self.cfg.shard_count}"}
+
+    def _metrics_registry(self, snapshot: dict):
+        from ..metrics import BatchHistogram, registry
+
+        # Not `job`: that is the target label a scrape sets (it would rename ours exported_job).
+        labels = {"cosybatch_job": self._metrics_job(), **self._metrics_grouping()}
+        return registry(snapshot, self.runner.batch_seconds or BatchHistogram(), labels)
+
+    def _write_metrics(self, snapshot: dict) -> None:
+        from ..metrics import write_textfile
+
+        self._metrics_written = time.monotonic()
+        try:
+            write_textfile(self.cfg.metrics_file, self._metrics_registry(snapshot))
+        except Exception as exc:  # monitoring must never stop the audio
+            if not self._metrics_failed:
+                log.error("cannot write --metrics-file %s: %s", self.cfg.metrics_file, exc)
+            self._metrics_failed = True
+
+    def _finish(self) -> RunResult:
+        cfg = self.cfg
+        interrupted = self.runner.interrupted(self)
+        too_many_failures = self.failure_limit_passed()  # also on a rerun that adds no new failure
+        problems, extra = self.runner.end(self, interrupted)  # never "complete" over a damaged folder
+        corpus_error = getattr(self.runner, "corpus_error", None)
+        status = ("too_many_failures" if too_many_failures else "interrupted" if interrupted
+                  else "damaged" if problems else "corpus_error" if corpus_error else "complete")
+        if status == "complete" and cfg.export:
+            from ..store.exports import export
+
+            for fmt in cfg.export:
+                export(cfg.out, fmt, require_complete=False)
+        if status == "complete":
+            self.last_success = round(time.time(), 3)
+        stats = self._snapshot(status, repairs=self.repairs, problems=problems, **extra)
+        write_atomic(cfg.out / STATS_FILE, json_bytes(stats))
+        if cfg.metrics_file is not None:
+            self._write_metrics(stats)
+        if cfg.pushgateway:
+            from ..metrics import push
+
+            try:
+                push(cfg.pushgateway, self._metrics_registry(stats), job=self._metrics_job(),
+                     grouping=self._metrics_grouping())
+            except Exception as exc:  # the audio is safe; no monitoring problem may fail the job
+                log.warning("could not push metrics to %s: %s", cfg.pushgateway, exc)
+        if too_many_failures:
+            log.error("%s; see %s", too_many_failures, cfg.out / FAILURES_FILE)
+            return RunResult(status, EXIT_TOO_MANY_FAILURES, stats)
+        if interrupted:
+            log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
+                        self.interrupted_by or "a stop request")
+            return RunResult(status, EXIT_INTERRUPTED, stats)
+        if problems:
+            for problem in problems:
+                log.error("%s: %s", cfg.out, problem)
+            log.error("the output folder changed under the run; rerun the same command to repair it")
+            return RunResult(status, EXIT_INTERRUPTED, stats)
+        if corpus_error is not None:
+            raise CorpusError(f"{corpus_error} Every readable row was processed and committed; fix the "
+                              "file, then rerun with --allow-corpus-change to synthesise the rest.")
+        return RunResult(status, EXIT_OK, stats)
+
+
+def failure_summary(failed: int, rows: int, limit: Optional[str]) -> str:
+    """'2 of 45 rows failed (4.4%), more than 2%': the share and the limit as given."""
+    share = 100 * failed / max(rows, 1)
+    return f"{failed} of {rows} rows failed ({share:.1f}%), more than {(limit or '').strip()} (--max-failures)"
 
 
 def _missing_folders(path: Path) -> list[Path]:
@@ -292,284 +563,3 @@ def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
     )
 
 
-class _Job:
-    """One run's lifecycle: set-up and resume, the threads (the Producer on this one, inference
-    workers, the Committer), signals and --max-runtime, and the end (manifest, checks, stats,
-    metrics, exports)."""
-
-    def __init__(self, cfg: RunConfig, out: OutputDir):
-        self.cfg = cfg
-        self.out = out
-        self.stats = Stats()
-        self.stop = threading.Event()
-        self.interrupted_by: Optional[str] = None
-        self.dropped_batches = 0  # batches skipped after a stop request
-        self._metrics_failed = False
-        self._metrics_written = 0.0
-        self.repairs: list[str] = []
-        self.last_success: Optional[float] = None  # when a run of this job last completed (stats.json)
-
-    def run(self) -> RunResult:
-        """Signals and --max-runtime turn into a clean stop from the very start, model load included."""
-        restore = self._install_signal_handlers()
-        timer = None
-        if self.cfg.max_runtime is not None:
-            timer = threading.Timer(self.cfg.max_runtime, self._request_stop, args=("--max-runtime",))
-            timer.daemon = True
-            timer.start()
-        try:
-            return self._run()
-        finally:
-            if timer is not None:
-                timer.cancel()
-            restore()
-
-    def _request_stop(self, why: str) -> None:
-        if not self.stop.is_set():
-            self.interrupted_by = why
-            self.stop.set()
-
-    # -- the straight line -------------------------------------------------------------------
-    def _run(self) -> RunResult:
-        cfg = self.cfg
-        corpus = open_corpus(cfg)
-
-        t0 = time.monotonic()
-        self.engines = EngineSet(cfg)
-        default = self.engines.get(cfg.voice, from_row=False)
-        self.stats.stage_s["load"] = time.monotonic() - t0
-        self.device = default.device
-        self.policy = BatchPolicy.for_engine(cfg, default)
-        self.workers = self.policy.workers
-        self.default_engine = default
-
-        fingerprint = job_fingerprint(cfg, corpus, default.fingerprint())
-        adopt_legacy_fingerprint(self.out, cfg, corpus, fingerprint)
-        was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
-        self.journal = Journal(self.out.journal_path)
-        self.repairs, ledger = repair(self.out, self.journal)
-        if was and ledger.failures:  # rows that failed in the old corpus may be good in the new one
-            log.warning("the corpus changed: the %d earlier failures are tried again", ledger.failures)
-            self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
-            ledger = Ledger.replay(self.out.journal_path)
-        state = self.out.resume_state(ledger)
-        self.last_success = _previous_success(cfg.out)
-        self.stats.previous_items_done = state.items
-        self.stats.previous_items_failed = state.failures
-        self.stats.previous_audio_s = state.audio_s
-        self.committed_sources = None
-        was = was or self.out.unreported_corpus_change()  # also after an interrupted first run
-        if was:  # the corpus changed and --allow-corpus-change accepts it: compare the committed rows
-            self.committed_sources = {item["id"]: item.get("source") for item in self.out.live_items(ledger)}
-            log.warning("the corpus changed since this job started (%s); committed ids are kept, new ids are "
-                        "synthesised, and committed rows that changed are listed in %s",
-                        "; ".join(differences(was, corpus.fingerprint())), CORPUS_CHANGES_FILE)
-        if was is not None:
-            log.info("resuming %s: %d items done, %d failed before", cfg.out, state.items, state.failures)
-
-        total = corpus.num_rows
-        if total is not None and cfg.limit:
-            total = min(total, cfg.limit)
-        if total is not None and cfg.shard_count is not None:
-            total = -(-total // cfg.shard_count)  # an estimate: ids spread evenly over workers
-        write_atomic(self.out.state / RUN_FILE, json_bytes({
-            "pid": os.getpid(), "started": time.time(), "corpus": str(cfg.corpus.resolve()),
-            "total_rows": total, "total_is_estimate": cfg.shard_count is not None,
-            "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count]}))
-        self.progress = Progress(total, state.items + state.failures, cfg.progress, cfg.log_every)
-        assembler = RowAssembler()
-        # Batches dispatched but not yet committed, wherever they are (queued, computing, waiting
-        # in the results queue or the reorder buffer): bounded, so audio never piles up in memory.
-        self.uncommitted = threading.Semaphore(4 * self.workers + 4)
-        self.committer = Committer(cfg, self.journal, state, self.stats, self.progress, assembler, self.engines,
-                                   self.stop, self.uncommitted, self._metrics_while_running)
-        self.gate = RowGate(state.done_ids, state.failed_rows, cfg.max_chars, self.committed_sources)
-        self.producer = Producer(cfg, corpus, self.gate, self.engines, assembler, self.policy, self.stats,
-                                 self.stop, self.uncommitted)
-
-        work: queue.Queue = queue.Queue(maxsize=2 * self.workers)
-        results: queue.Queue = queue.Queue()
-        workers = [threading.Thread(target=self._infer_loop, args=(work, results), daemon=True, name=f"infer-{i}")
-                   for i in range(self.workers)]
-        writer = threading.Thread(target=self.committer.loop, args=(results, lambda e: _output_error(cfg, e)),
-                                  daemon=True, name="writer")
-        for t in [*workers, writer]:
-            t.start()
-        error: Optional[BaseException] = None
-        try:
-            self.producer.run(work, results)
-        except BaseException as exc:
-            error = exc
-            self.stop.set()
-        finally:
-            for _ in workers:
-                work.put(DONE)
-            for t in workers:
-                t.join()
-            results.put(DONE)
-            writer.join()
-            self.progress.close()
-        error = error or self.committer.error
-        if error is not None:
-            self.committer.finish(interrupted=True)
-            raise error
-        return self._finish()
-
-    # -- inference threads -------------------------------------------------------------------
-    def _infer_loop(self, work: queue.Queue, results: queue.Queue) -> None:
-        while True:
-            batch = work.get()
-            if batch is DONE:
-                return
-            if self.stop.is_set():
-                self.dropped_batches += 1  # interrupted: dropped now, redone on resume
-                self.uncommitted.release()
-                continue
-            try:
-                outcome = run_batch(self.engines.by_voice[batch.group], batch, self.policy.guard)
-            except Exception as exc:  # never leave the writer waiting for this batch
-                log.exception("batch %d failed outside the engine", batch.seq)
-                outcome = Outcome(batch, [f"internal error: {exc!r}"] * len(batch.units))
-            results.put(("batch", outcome))
-
-    # -- interruption ------------------------------------------------------------------------
-    def _install_signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def handler(signum, _frame):
-            self._request_stop(signal.Signals(signum).name)
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-
-        def restore():
-            for s, h in previous.items():
-                signal.signal(s, h)
-        return restore
-
-    # -- the end -----------------------------------------------------------------------------
-    def _metrics_while_running(self) -> None:
-        if self.cfg.metrics_file is not None and time.monotonic() - self._metrics_written >= METRICS_EVERY_S:
-            self._write_metrics(self._snapshot("running"))
-
-    def _snapshot(self, status: str, **extra) -> dict:
-        from ..gpu import memory_stats
-
-        engine = self.default_engine
-        return self.stats.to_dict(
-            status=status, out=str(self.cfg.out), engine=engine.name, voice=engine.voice_name,
-            device=self.device, batch_size_limit=self.policy.batch_size, batch_budget=self.policy.batch_budget,
-            workers=self.workers, cosybatch=__version__, budget_changes=list(self.policy.guard.changes),
-            gpu_memory=memory_stats(),
-            cold_start_seconds=round(self.stats.stage_s["load"], 3),
-            memory_pool=engine.memory_plan().pool,
-            shard=None if self.cfg.shard_count is None else [self.cfg.shard_index, self.cfg.shard_count],
-            last_success_timestamp_seconds=self.last_success,
-            **extra,
-        )
-
-    def _metrics_job(self) -> str:
-        from ..metrics import default_job_name
-
-        root = self.cfg.out.parent if self.cfg.shard_count is not None else self.cfg.out  # the job, not the part
-        return self.cfg.metrics_job or default_job_name(root)
-
-    def _metrics_grouping(self) -> dict[str, str]:
-        """The shard, when sharded: one Pushgateway group (and one series) per worker."""
-        if self.cfg.shard_count is None:
-            return {}
-        return {"shard": f"{self.cfg.shard_index}/{self.cfg.shard_count}"}
-
-    def _metrics_registry(self, snapshot: dict):
-        from ..metrics import registry
-
-        # Not `job`: that is the target label a scrape sets (it would rename ours exported_job).
-        labels = {"cosybatch_job": self._metrics_job(), **self._metrics_grouping()}
-        return registry(snapshot, self.committer.batch_seconds, labels)
-
-    def _write_metrics(self, snapshot: dict) -> None:
-        from ..metrics import write_textfile
-
-        self._metrics_written = time.monotonic()
-        try:
-            write_textfile(self.cfg.metrics_file, self._metrics_registry(snapshot))
-        except Exception as exc:  # monitoring must never stop the audio
-            if not self._metrics_failed:
-                log.error("cannot write --metrics-file %s: %s", self.cfg.metrics_file, exc)
-            self._metrics_failed = True
-
-    def _finish(self) -> RunResult:
-        # A stop that came after the last batch was committed interrupted nothing.
-        interrupted = self.stop.is_set() and not (self.producer.exhausted and self.dropped_batches == 0)
-        failed = self.stats.previous_items_failed + self.stats.items_failed
-        done = self.stats.previous_items_done + self.stats.items_done
-        max_failed, max_failed_rate = self.cfg.failure_limit()
-        too_many_failures = self.committer.too_many_failures or (
-            max_failed_rate is not None and failed > max_failed_rate * max(done + failed, 1)) or (
-            max_failed is not None and failed > max_failed)  # also on a rerun that adds no new failure
-        self.committer.finish(interrupted)
-        self.out.write_failures()
-        problems: list[str] = []
-        changes = None
-        if not interrupted:
-            ledger = Ledger.replay(self.out.journal_path)
-            self.out.write_manifest(ledger)
-            problems = check_sizes(self.out, ledger)  # never report "complete" over a damaged folder
-            changes = self._write_corpus_changes()
-        corpus_error = self.producer.corpus_error
-        status = ("too_many_failures" if too_many_failures else "interrupted" if interrupted
-                  else "damaged" if problems else "corpus_error" if corpus_error else "complete")
-        if status == "complete" and self.cfg.export:
-            from ..store.exports import export
-
-            for fmt in self.cfg.export:
-                export(self.cfg.out, fmt, require_complete=False)
-        if status == "complete":
-            self.last_success = round(time.time(), 3)
-        extra = {"repairs": self.repairs, "problems": problems}
-        if changes is not None:
-            extra["corpus_changes"] = changes
-        stats = self._snapshot(status, **extra)
-        write_atomic(self.cfg.out / STATS_FILE, json_bytes(stats))
-        if self.cfg.metrics_file is not None:
-            self._write_metrics(stats)
-        if self.cfg.pushgateway:
-            from ..metrics import push
-
-            try:
-                push(self.cfg.pushgateway, self._metrics_registry(stats), job=self._metrics_job(),
-                     grouping=self._metrics_grouping())
-            except Exception as exc:  # the audio is safe; no monitoring problem may fail the job
-                log.warning("could not push metrics to %s: %s", self.cfg.pushgateway, exc)
-        if too_many_failures:
-            return RunResult(status, EXIT_TOO_MANY_FAILURES, stats)
-        if interrupted:
-            log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
-                        self.interrupted_by or "a stop request")
-            return RunResult(status, EXIT_INTERRUPTED, stats)
-        if problems:
-            for problem in problems:
-                log.error("%s: %s", self.cfg.out, problem)
-            log.error("the output folder changed under the run; rerun the same command to repair it")
-            return RunResult(status, EXIT_INTERRUPTED, stats)
-        if corpus_error is not None:
-            raise CorpusError(f"{corpus_error} Every readable row was processed and committed; fix the "
-                              "file, then rerun with --allow-corpus-change to synthesise the rest.")
-        return RunResult(status, EXIT_OK, stats)
-
-    def _write_corpus_changes(self) -> Optional[dict]:
-        """After --allow-corpus-change: list the committed ids whose row changed or is gone."""
-        if self.committed_sources is None:
-            return None
-        changes = list(self.gate.changed)
-        if self.producer.read_whole_corpus and self.cfg.limit is None:
-            changes += [{"id": i, "row": None, "change": "removed",
-                         "detail": "not in the corpus any more; its committed audio was kept"}
-                        for i in self.committed_sources if i not in self.gate.still_there]
-        write_atomic(self.cfg.out / CORPUS_CHANGES_FILE, jsonl_bytes(changes))
-        self.out.corpus_change_reported()
-        counts = {kind: sum(1 for c in changes if c["change"] == kind) for kind in ("changed", "removed")}
-        if changes:
-            log.warning("%d committed ids changed and %d are no longer in the corpus; see %s", counts["changed"],
-                        counts["removed"], self.cfg.out / CORPUS_CHANGES_FILE)
-        return counts
