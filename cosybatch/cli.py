@@ -21,6 +21,7 @@ from .errors import (
     EXIT_TOO_MANY_FAILURES,
     EXIT_USAGE,
     CosybatchError,
+    Interrupted,
     UsageError,
 )
 
@@ -144,7 +145,7 @@ def run(ctx: typer.Context, **values) -> None:
         result = run_job(cfg)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         _fail("interrupted before any work was committed; rerun to start", EXIT_INTERRUPTED)
     s = result.stats
     print(
@@ -288,7 +289,7 @@ def ray_run_cmd(ctx: typer.Context, **given) -> None:
         _fail("ray-run needs Ray: pip install 'cosybatch[ray]'", EXIT_USAGE)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         _fail("interrupted while the Ray cluster was starting; rerun to resume", EXIT_INTERRUPTED)
     print(result.summary_line())
     raise typer.Exit(result.exit_code)
@@ -458,7 +459,7 @@ def _seconds(text: Optional[str], option: str) -> Optional[float]:
 
 def _stem(path: Path) -> str:
     name = path.name
-    for suffix in (".gz", ".jsonl", ".ndjson", ".parquet", ".pq"):
+    for suffix in (".gz", ".jsonl", ".ndjson", ".parquet", ".pq", ".csv", ".tsv", ".tab", ".txt"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     return name or "corpus"

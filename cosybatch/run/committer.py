@@ -17,7 +17,7 @@ from typing import Optional
 
 from ..config import RunConfig
 from ..metrics import BatchHistogram
-from ..stats import Progress, Stats
+from ..stats import Progress, Stats, failure_summary
 from ..store.checkpoint import FAILURES_FILE, Journal, ResumeState
 from ..store.shards import ShardWriter
 from .executor import EngineSet, Outcome, RowAssembler, render_rows
@@ -78,8 +78,9 @@ class Committer:
         self.progress.update(len(failures), 0.0)
         total_failed = self.stats.previous_items_failed + self.stats.items_failed
         if self.max_failed is not None and total_failed > self.max_failed and not self.too_many_failures:
-            log.error("%d rows failed, more than --max-failures %d: stopping; see %s",
-                      total_failed, self.max_failed, self.cfg.out / FAILURES_FILE)
+            rows = self.stats.previous_items_done + self.stats.items_done + total_failed
+            log.error("%s: stopping; see %s", failure_summary(total_failed, rows, self.cfg.max_failures),
+                      self.cfg.out / FAILURES_FILE)
             self.too_many_failures = True
             self.stop.set()
 

@@ -34,7 +34,7 @@ from ..errors import (
     OutputError,
     UsageError,
 )
-from ..stats import Progress, Stats
+from ..stats import Progress, Stats, failure_summary
 from ..store.checkpoint import (
     DUPLICATE_ID,
     FAILURES_FILE,
@@ -59,6 +59,7 @@ class RunResult:
     status: str  # "complete", "interrupted", "too_many_failures", "damaged" or "corpus_error"
     exit_code: int
     stats: dict = field(default_factory=dict)
+    error: Optional[str] = None  # why the run failed (too_many_failures): "2 of 45 rows failed (4.4%), more than 2%"
 
     def summary_line(self) -> str:
         """The JSON line a run prints last on stdout (Airflow's XCom reads it). Its keys:
@@ -69,7 +70,8 @@ class RunResult:
           only the rows it added), the same numbers as stats.json's keys of those names;
         - ``audio_seconds_per_wall_second``: this run's rate;
         - ``job_totals``: ``items_done``, ``items_failed`` and ``audio_seconds`` of the whole
-          job, every run so far included (stats.json's ``job_totals``).
+          job, every run so far included (stats.json's ``job_totals``);
+        - ``error``: only when status is too_many_failures, the sentence that says why.
         """
         s = self.stats
         totals = s.get("job_totals", {})
@@ -81,6 +83,7 @@ class RunResult:
             "audio_seconds": s.get("audio_seconds"),
             "audio_seconds_per_wall_second": s.get("audio_seconds_per_wall_second"),
             "job_totals": {key: totals.get(key) for key in ("items_done", "items_failed", "audio_seconds")},
+            **({"error": self.error} if self.error else {}),
         })
 
 
@@ -257,6 +260,7 @@ class Job:
         t0 = time.monotonic()
         engine = self.runner.start(self)                           # engine: loaded where it runs
         self.stats.stage_s["load"] = time.monotonic() - t0
+        self._claim_signals()
         state, committed = self._open(corpus, engine["fingerprint"])  # checkpoint: what is done
         gate = RowGate(state.done_ids, state.failed_rows, cfg.max_chars, committed)
         self.progress = Progress(self._total_rows(corpus), state.items + state.failures, cfg.progress,
@@ -309,16 +313,22 @@ class Job:
         return failure_summary(failed, done + failed, self.cfg.max_failures)
 
     # -- interruption ------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame) -> None:
+        if not self.stop.is_set():
+            log.warning("%s: %s", signal.Signals(signum).name, self.runner.stopping)
+        self.request_stop(signal.Signals(signum).name)
+
+    def _claim_signals(self) -> None:
+        """Take SIGINT and SIGTERM back from whatever the runner's start installed (ray.init does)."""
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(s) != self._on_signal:
+                    signal.signal(s, self._on_signal)
+
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-
-        def handler(signum, _frame):
-            if not self.stop.is_set():
-                log.warning("%s: %s", signal.Signals(signum).name, self.runner.stopping)
-            self.request_stop(signal.Signals(signum).name)
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
         def restore():
             for s, h in previous.items():
@@ -399,7 +409,7 @@ class Job:
                 log.warning("could not push metrics to %s: %s", cfg.pushgateway, exc)
         if too_many_failures:
             log.error("%s; see %s", too_many_failures, cfg.out / FAILURES_FILE)
-            return RunResult(status, EXIT_TOO_MANY_FAILURES, stats)
+            return RunResult(status, EXIT_TOO_MANY_FAILURES, stats, error=too_many_failures)
         if interrupted:
             log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
                         self.interrupted_by or "a stop request")
@@ -413,12 +423,6 @@ class Job:
             raise CorpusError(f"{corpus_error} Every readable row was processed and committed; fix the "
                               "file, then rerun with --allow-corpus-change to synthesise the rest.")
         return RunResult(status, EXIT_OK, stats)
-
-
-def failure_summary(failed: int, rows: int, limit: Optional[str]) -> str:
-    """'2 of 45 rows failed (4.4%), more than 2%': the share and the limit as given."""
-    share = 100 * failed / max(rows, 1)
-    return f"{failed} of {rows} rows failed ({share:.1f}%), more than {(limit or '').strip()} (--max-failures)"
 
 
 def _missing_folders(path: Path) -> list[Path]:
