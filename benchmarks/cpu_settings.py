@@ -15,7 +15,7 @@ from pathlib import Path
 from common import median, sentences, write_corpus
 
 from cosybatch.config import RunConfig, cpu_count
-from cosybatch.job import run
+from cosybatch.run.local import run
 
 SETTINGS = {
     "default (batch 1, workers=cores, threads 1)": dict(),

@@ -1,6 +1,6 @@
 """cosybatch: turn text corpora into speech datasets.
 
-The data path is one straight line (see ``cosybatch.job.run``):
+The data path is one straight line (see ``cosybatch.run.job.Job``):
 corpus -> plan (lengths, buckets, batches) -> engine -> shards + journal -> stats.
 """
 

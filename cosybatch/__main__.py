@@ -1,32 +1,38 @@
 """The `cosybatch` command and `python -m cosybatch`.
 
-The first thing it does is make SIGTERM behave like Ctrl-C, before anything heavy is imported, so
-that a stop request at any moment of start-up ends with the documented exit 4 and a JSON line (a
-run installs its own handler, which commits what is finished, once it starts).
+Its first instruction makes SIGINT and SIGTERM raise `errors.Interrupted`, before anything heavy
+is imported, so that a stop request at any moment of any command ends with the documented exit 4
+and a JSON line on stdout. A run installs its own handler, which commits what is finished, once
+it starts, and puts this one back when it ends.
 """
 
 import signal
 
-from .errors import EXIT_INTERRUPTED
+from .errors import EXIT_INTERRUPTED, Interrupted
 
 
 def _stop(signum, frame):
-    raise KeyboardInterrupt
+    for s in (signal.SIGINT, signal.SIGTERM):  # one stop request is enough: the exit is under way
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signal.Signals(signum).name)
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _stop)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _stop)
     try:
         from .cli import main as cli_main
-    except KeyboardInterrupt:
+
+        cli_main()
+    except Interrupted as exc:
         import json
         import sys
 
-        message = "interrupted while starting; nothing was written; rerun to start"
+        message = f"interrupted by {exc} before any work was committed; rerun the same command"
         print(f"cosybatch: error: {message}", file=sys.stderr)
         print(json.dumps({"status": "error", "exit_code": EXIT_INTERRUPTED, "error": message}))
+        sys.stdout.flush()
         raise SystemExit(EXIT_INTERRUPTED) from None
-    cli_main()
 
 
 if __name__ == "__main__":

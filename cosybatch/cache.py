@@ -36,6 +36,29 @@ def sha256_hex(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_fingerprint(path: Path) -> dict:
+    """Identifies a (possibly multi-GB) file cheaply: its size and a hash of its first and last MiB."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            h.update(f.read())
+    return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
+
+
+def file_sha256(path: Path) -> dict:
+    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path`` (POSIX flock) while the block runs; none where flock is missing."""

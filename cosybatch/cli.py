@@ -22,6 +22,7 @@ from .errors import (
     EXIT_TOO_MANY_FAILURES,
     EXIT_USAGE,
     CosybatchError,
+    Interrupted,
     UsageError,
 )
 
@@ -163,16 +164,16 @@ def run(ctx: typer.Context, **values) -> None:
             values.update(_spec_values(ctx, job))
         cfg = _build_config(values)
         if check:
-            from .job import check as check_job
+            from .run.job import check as check_job
 
             print(json.dumps(check_job(cfg), default=str))
             raise typer.Exit(EXIT_OK)
-        from .job import run as run_job
+        from .run.local import run as run_job
 
         result = run_job(cfg)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         _fail("interrupted before any work was committed; rerun to start", EXIT_INTERRUPTED)
     s = result.stats
     print(
@@ -246,7 +247,7 @@ def _typed(job: Path, key: str, value, hint):
 
 
 def _build_config(v: dict) -> RunConfig:
-    from .distributed import parse_shard
+    from .store.distributed import parse_shard
 
     if v["corpus"] is None:
         raise UsageError("no corpus: give CORPUS or `corpus` in the --job spec")
@@ -299,8 +300,8 @@ def ray_run_cmd(ctx: typer.Context, **given) -> None:
     ray_flags = {name: given.pop(name) for name in RAY_FLAGS}
     job = given.pop("job")
     try:
-        from .ray_run import RayOptions
-        from .ray_run import ray_run as run_on_ray
+        from .run.ray import RayOptions
+        from .run.ray import ray_run as run_on_ray
 
         values = _run_defaults()
         if job is not None:
@@ -316,7 +317,7 @@ def ray_run_cmd(ctx: typer.Context, **given) -> None:
         _fail("ray-run needs Ray: pip install 'cosybatch[ray]'", EXIT_USAGE)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         _fail("interrupted while the Ray cluster was starting; rerun to resume", EXIT_INTERRUPTED)
     print(result.summary_line())
     raise typer.Exit(result.exit_code)
@@ -337,7 +338,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a line of text."),
 ) -> None:
     """Show done/failed/total, rate and ETA of a running or finished job without disturbing it."""
-    from .status import describe, job_status
+    from .store.status import describe, job_status
 
     try:
         result = job_status(out)
@@ -354,7 +355,7 @@ def verify_cmd(
     """Read every shard whole and check it against the manifest: each id in exactly one readable
     KEY.wav + KEY.json pair with the manifest's length. Exit 0 when all is well, 3 listing each
     problem otherwise."""
-    from .verify import describe, verify
+    from .store.verify import describe, verify
 
     try:
         result = verify(out)
@@ -445,7 +446,7 @@ def merge(
     partial: bool = typer.Option(False, "--partial", help="Merge the finished parts even if some are not."),
 ) -> None:
     """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet."""
-    from .distributed import merge as merge_parts
+    from .store.distributed import merge as merge_parts
 
     try:
         result = merge_parts(root, allow_partial=partial)
@@ -460,7 +461,7 @@ def export_cmd(
     to: str = typer.Option(..., "--to", help="Comma-separated formats: hf, nemo, lhotse."),
 ) -> None:
     """Write the dataset in other formats under OUT/exports/."""
-    from .exports import export
+    from .store.exports import export
 
     try:
         written = {fmt: str(export(out, fmt.strip())) for fmt in to.split(",") if fmt.strip()}
@@ -489,7 +490,7 @@ def _seconds(text: Optional[str], option: str) -> Optional[float]:
 
 def _stem(path: Path) -> str:
     name = path.name
-    for suffix in (".gz", ".jsonl", ".ndjson", ".parquet", ".pq"):
+    for suffix in (".gz", ".jsonl", ".ndjson", ".parquet", ".pq", ".csv", ".tsv", ".tab", ".txt"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     return name or "corpus"

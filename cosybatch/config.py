@@ -25,7 +25,7 @@ class RunConfig:
     out: Path
     """Output folder: shards, manifest, stats; rerunning on it resumes."""
     format: Optional[str] = None
-    """'parquet' or 'jsonl'; unset: chosen by file suffix."""
+    """parquet, jsonl, csv, tsv or text (one row a line); unset: chosen by file suffix."""
     id_col: Optional[str] = None
     """Id column; unset: uses 'id' when present, else the row number."""
     text_col: str = "text"

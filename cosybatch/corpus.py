@@ -1,4 +1,5 @@
-"""Corpus readers: Parquet and JSONL(.gz), streamed row by row with bounded memory.
+"""Corpus readers: Parquet, JSONL(.gz), CSV/TSV (pyarrow's streaming CSV reader) and plain text
+(.txt: one row a line, the 1-based line number as id), streamed row by row with bounded memory.
 
 A reader yields `Row` for every usable row and `BadRow` for rows it cannot use, so that one bad
 row is recorded with its reason and never takes the good rows around it down. Problems with the
@@ -17,12 +18,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
-from .checkpoint import file_sha256
+from .cache import file_sha256
 from .errors import CorpusError
 
 PARQUET_BATCH_ROWS = 4096
 # How many JSONL objects to look at before deciding a text field name is wrong for the whole file.
 JSONL_SNIFF_ROWS = 100
+CSV_BLOCK_BYTES = 1 << 20  # how much of a CSV file pyarrow parses at a time
+FORMATS = ("parquet", "jsonl", "csv", "tsv", "text")
 
 
 @dataclass(frozen=True)
@@ -74,17 +77,23 @@ class Columns:
 
 def detect_format(path: Path, fmt: Optional[str] = None) -> str:
     if fmt:
-        if fmt not in ("parquet", "jsonl"):
-            raise CorpusError(f"unknown corpus format {fmt!r}: use 'parquet' or 'jsonl'")
+        if fmt not in FORMATS:
+            raise CorpusError(f"unknown corpus format {fmt!r}: use one of {', '.join(FORMATS)}")
         return fmt
     name = path.name.lower()
     if name.endswith((".parquet", ".pq")):
         return "parquet"
     if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
         return "jsonl"
+    if name.endswith((".csv", ".csv.gz")):
+        return "csv"
+    if name.endswith((".tsv", ".tsv.gz", ".tab")):
+        return "tsv"
+    if name.endswith((".txt", ".txt.gz")):
+        return "text"
     raise CorpusError(
-        f"{path}: cannot tell the corpus format from the file name; name it *.parquet, "
-        "*.jsonl or *.jsonl.gz, or pass --format parquet|jsonl"
+        f"{path}: cannot tell the corpus format from the file name; name it *.parquet, *.jsonl(.gz), "
+        "*.csv, *.tsv or *.txt, or pass --format " + "|".join(FORMATS)
     )
 
 
@@ -103,6 +112,10 @@ class Corpus:
         self._fingerprint: Optional[dict] = None
         if self.format == "parquet":
             self._check_parquet_schema()
+        elif self.format in ("csv", "tsv"):
+            self._check_csv_header()
+        elif self.format == "text":
+            self._check_text()
         else:
             self._check_jsonl_fields()
 
@@ -152,6 +165,61 @@ class Corpus:
                 f"{self.path}: no voice column {c.voice!r}; columns found: {names}. "
                 "Pass --voice-col NAME, or leave it out to use --voice for every row."
             )
+
+    def _csv_reader(self, column_types: Optional[dict] = None, on_invalid=None):
+        """pyarrow's streaming CSV reader over the file: TSV is tab-separated without quoting (a
+        quote inside a text is text); CSV follows RFC 4180 (quoted fields may hold newlines)."""
+        import pyarrow.csv as pcsv
+
+        tsv = self.format == "tsv"
+        parse = pcsv.ParseOptions(delimiter="\t" if tsv else ",", quote_char=False if tsv else '"',
+                                  newlines_in_values=not tsv, invalid_row_handler=on_invalid)
+        convert = pcsv.ConvertOptions(column_types=column_types or {}, strings_can_be_null=False,
+                                      quoted_strings_can_be_null=False)
+        return pcsv.open_csv(self.path, read_options=pcsv.ReadOptions(use_threads=False,
+                                                                      block_size=CSV_BLOCK_BYTES),
+                             parse_options=parse, convert_options=convert)
+
+    def _check_csv_header(self) -> None:
+        import pyarrow as pa
+
+        kind = self.format.upper()
+        try:
+            names = self._csv_reader(on_invalid=lambda _row: "skip").schema.names  # rows: checked when read
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorpusError(f"{self.path}: not a readable {kind} file with a header line ({exc})") from exc
+        c = self.columns
+        if c.text not in names:
+            raise CorpusError(
+                f"{self.path}: no text column {c.text!r} in the {kind} header; columns found: {names}. "
+                "Pass --text-col NAME to choose the text column."
+            )
+        self._has_id = c.id in names
+        if c.id_required and not self._has_id:
+            raise CorpusError(
+                f"{self.path}: no id column {c.id!r} in the {kind} header; columns found: {names}. Pass "
+                "--id-col NAME, or leave --id-col out to use row numbers as ids."
+            )
+        self.columns = c = c.with_voice(names)
+        self._has_voice = c.voice in names
+        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text, c.instruct) if n in names)
+        if c.voice_required and not self._has_voice:
+            raise CorpusError(
+                f"{self.path}: no voice column {c.voice!r} in the {kind} header; columns found: {names}. "
+                "Pass --voice-col NAME, or leave it out to use --voice for every row."
+            )
+
+    def _check_text(self) -> None:
+        c = self.columns
+        if c.id_required or c.voice_required:
+            raise CorpusError(f"{self.path}: a plain-text corpus has no columns (one text a line, the line "
+                              "number as id); drop --id-col and --voice-col, or use CSV, JSONL or Parquet")
+        self._has_id = False
+        try:
+            with open(self.path, "rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
 
     def _check_jsonl_fields(self) -> None:
         c = self.columns
@@ -208,8 +276,8 @@ class Corpus:
             import pyarrow.parquet as pq
 
             return pq.ParquetFile(self.path).metadata.num_rows
-        if self.path.name.lower().endswith(".gz"):
-            return None
+        if self.format in ("csv", "tsv") or self.path.name.lower().endswith(".gz"):
+            return None  # a CSV field may hold newlines: only reading it counts its rows
         count = 0
         last = b"\n"
         with open(self.path, "rb") as f:
@@ -225,11 +293,15 @@ class Corpus:
         if self.format == "parquet":
             yield from self._iter_parquet()
             return
+        if self.format in ("csv", "tsv"):
+            yield from self._iter_csv()
+            return
         last = -1
         try:
             for index, line in _jsonl_lines(self.path):
                 last = index
-                yield self.row_from_json_line(index, line)
+                yield self.row_from_text_line(index, line) if self.format == "text" else \
+                    self.row_from_json_line(index, line)
         except (OSError, EOFError) as exc:
             raise CorpusError(f"{self.path}: reading failed after line {last + 1} ({exc}); the file is "
                               "truncated or corrupt.") from exc
@@ -258,6 +330,47 @@ class Corpus:
         if unreadable:
             raise CorpusError(f"{self.path}: could not read " + "; ".join(unreadable)
                               + "; the file is corrupt there.")
+
+    def _iter_csv(self) -> Iterator[Union[Row, BadRow]]:
+        """Block by block. A record with the wrong number of fields becomes a BadRow naming its line;
+        it is numbered after the good rows of its block (pyarrow reports it apart from them)."""
+        import pyarrow as pa
+
+        invalid: list = []
+
+        def on_invalid(row):
+            invalid.append(row)
+            return "skip"
+
+        names = self._csv_reader(on_invalid=lambda _row: "skip").schema.names
+        reader = self._csv_reader({name: pa.string() for name in names}, on_invalid)
+        index = 0
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except (OSError, pa.ArrowException) as exc:
+                raise CorpusError(f"{self.path}: reading failed after row {index} ({str(exc)[:200]}); the file "
+                                  "is truncated or corrupt there.") from exc
+            yield from self.rows_from_columns(batch.to_pydict(), index)
+            index += batch.num_rows
+            for row in invalid:
+                where = f"record {row.number} (the header is record 1)" \
+                    if row.number is not None and row.number >= 0 else "a record"
+                yield BadRow(index, None, f"{where} has {row.actual_columns} fields, expected "
+                                          f"{row.expected_columns} (the header's)")
+                index += 1
+            invalid.clear()
+
+    def row_from_text_line(self, index: int, line: bytes) -> Union[Row, BadRow]:
+        """One line of a plain-text corpus: the text, with its 1-based line number as id."""
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return BadRow(index, str(index + 1), f"line {index + 1} is not valid UTF-8 ({exc.reason} at byte "
+                                                 f"{exc.start})")
+        return _make_row(index, str(index + 1), text, None)
 
     def row_from_json_line(self, index: int, line: bytes) -> Union[Row, BadRow]:
         """One JSONL line (raw bytes, so bad UTF-8 is this line's problem only) -> Row or BadRow."""

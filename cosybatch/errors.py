@@ -55,3 +55,10 @@ class OutputError(CosybatchError):
     """Writing the output failed (disk full, folder gone). Committed work is intact: resumable."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM while no run is there to stop cleanly (start-up, a command other than a
+    run). A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it, but not a
+    KeyboardInterrupt, so click's own Ctrl-C handling (exit 1 or 130, no JSON line) never sees it:
+    it reaches `cosybatch.__main__`, which exits 4 with the JSON line."""

@@ -107,3 +107,9 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def failure_summary(failed: int, rows: int, limit: Optional[str]) -> str:
+    """'2 of 45 rows failed (4.4%), more than 2%': the share and the limit as given."""
+    share = 100 * failed / max(rows, 1)
+    return f"{failed} of {rows} rows failed ({share:.1f}%), more than {(limit or '').strip()} (--max-failures)"

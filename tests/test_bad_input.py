@@ -16,9 +16,9 @@ import torch
 from conftest import write_parquet
 
 from cosybatch.config import RunConfig
-from cosybatch.distributed import parse_shard
 from cosybatch.errors import CosybatchError, UsageError
 from cosybatch.jobspec import load_job_spec
+from cosybatch.store.distributed import parse_shard
 
 # Without the fixes these inputs hang or blow up memory; a fixed build answers in about a second.
 CLI_TIMEOUT = 60
@@ -256,7 +256,7 @@ def test_non_numeric_worker_index_via_cli(corpus, tmp_path):
 def test_a_byte_order_mark_before_the_first_jsonl_line_is_accepted(tmp_path):
     from helpers import read_output
 
-    from cosybatch.job import run
+    from cosybatch.run.local import run
 
     path = tmp_path / "c.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"id": "first", "text": "Hello."}\n{"id": "second", "text": "Bye."}\n')
@@ -266,7 +266,7 @@ def test_a_byte_order_mark_before_the_first_jsonl_line_is_accepted(tmp_path):
 
 
 def test_a_bad_pushgateway_only_warns(corpus, tmp_path, caplog):
-    from cosybatch.job import run
+    from cosybatch.run.local import run
 
     result = run(RunConfig(corpus=corpus, out=tmp_path / "out", pushgateway="not a url", progress="none"))
     assert result.status == "complete" and result.exit_code == 0
@@ -279,12 +279,12 @@ def test_an_internal_error_still_ends_with_a_json_line(corpus, tmp_path, monkeyp
     import json
 
     from cosybatch import cli as cli_module
-    from cosybatch import job
+    from cosybatch.run import local
 
     def broken(cfg):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(job, "run", broken)
+    monkeypatch.setattr(local, "run", broken)
     monkeypatch.setattr(sys, "argv", ["cosybatch", "run", str(corpus), "--out", str(tmp_path / "out")])
     with pytest.raises(SystemExit) as exit_info:
         cli_module.main()

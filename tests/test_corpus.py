@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cosybatch.corpus import BadRow, Columns, Corpus, Row
 from cosybatch.errors import CorpusError
-from cosybatch.shards import item_key
+from cosybatch.store.shards import item_key
 
 
 def test_jsonl_bad_lines_are_recorded_and_good_rows_kept(tmp_path):
@@ -64,7 +64,7 @@ def test_wrong_types_and_formats(tmp_path):
     with pytest.raises(CorpusError, match="text column 'text' has type int64"):
         Corpus(path)
     with pytest.raises(CorpusError, match="cannot tell the corpus format"):
-        Corpus(write_jsonl(tmp_path / "c.txt", [{"text": "x"}]))
+        Corpus(write_jsonl(tmp_path / "c.xml", [{"text": "x"}]))  # .txt is a plain-text corpus now
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(CorpusError, match="not a readable Parquet file"):
         Corpus(tmp_path / "broken.parquet")

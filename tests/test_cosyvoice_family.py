@@ -316,8 +316,8 @@ def test_default_instruction_is_cleaned_and_fingerprinted(cosyvoice_dir):
 def test_merge_joins_parts_with_and_without_instructions(tmp_path):
     """With --shard, one worker's rows may all lack an instruction: its manifest has no instruct
     column while another's has one; the merged manifest keeps every row and fills the gap."""
-    from cosybatch.checkpoint import write_manifest_table
-    from cosybatch.distributed import merge
+    from cosybatch.store.checkpoint import write_manifest_table
+    from cosybatch.store.distributed import merge
 
     def record(i: int, **extra) -> dict:
         return {"key": f"k{i}", "id": f"r{i}", "shard": "shard-000000.tar", "text": "Hello.", "voice": "spk:alice",

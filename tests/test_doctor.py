@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cosybatch import doctor, gpu, job
+from cosybatch import doctor, gpu
 from cosybatch.config import RunConfig
 from cosybatch.errors import EXIT_USAGE, UsageError
+from cosybatch.run import job
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "examples" / "corpus.jsonl"
@@ -257,7 +258,7 @@ def test_a_started_job_is_never_removed(tmp_path, monkeypatch):
 
 
 def test_unstarted_cleanup_removes_only_what_it_created(tmp_path):
-    from cosybatch.checkpoint import OutputDir
+    from cosybatch.store.checkpoint import OutputDir
 
     parent = tmp_path / "a"
     out = parent / "b" / "c"

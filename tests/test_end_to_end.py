@@ -13,7 +13,7 @@ from conftest import write_jsonl, write_parquet
 from helpers import read_output
 
 from cosybatch.config import RunConfig
-from cosybatch.job import run
+from cosybatch.run.local import run
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -178,7 +178,8 @@ def test_bad_rows_are_recorded_and_good_rows_still_written(tmp_path, texts):
     assert json.loads(proc.stdout.splitlines()[-1])["items_failed"] == 4
     # A rerun redoes nothing and records no failure twice, id-less rows included.
     rerun = json.loads(cli("run", str(corpus), "--out", str(out)).stdout.splitlines()[-1])
-    assert rerun["items_failed"] == 4 and rerun["items_done"] == 2
+    assert rerun["job_totals"]["items_failed"] == 4 and rerun["job_totals"]["items_done"] == 2
+    assert rerun["items_failed"] == rerun["items_done"] == 0  # this run's own counts: nothing was redone
     assert len((out / "failures.jsonl").read_text().splitlines()) == 4
 
     # A failure threshold turns this into a non-zero exit; the committed output stays valid.

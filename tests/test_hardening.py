@@ -20,8 +20,8 @@ from test_resume import committed_items, corpus_rows, start, wait_for_items
 
 from cosybatch.config import RunConfig
 from cosybatch.errors import CorpusError, OutputError, UsageError
-from cosybatch.job import run
-from cosybatch.shards import ShardWriter
+from cosybatch.run.local import run
+from cosybatch.store.shards import ShardWriter
 
 
 def assert_complete(out: Path, rows: list[dict]) -> dict:
@@ -191,7 +191,7 @@ def test_a_disk_full_at_start_is_resumable_too(tmp_path):
 
 
 def test_an_injected_disk_full_at_lock_time_is_resumable(tmp_path, monkeypatch):
-    from cosybatch.checkpoint import OutputDir
+    from cosybatch.store.checkpoint import OutputDir
 
     def full(self):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -291,7 +291,7 @@ def test_unwritable_metrics_file_does_not_stop_the_audio(tmp_path):
 
 
 def test_long_ids_with_a_common_prefix_get_distinct_short_keys():
-    from cosybatch.shards import item_key
+    from cosybatch.store.shards import item_key
 
     ids = [f"https://example.com/{'a' * 150}/{i}" for i in range(1000)]
     keys = {item_key(i) for i in ids}

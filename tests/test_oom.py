@@ -14,9 +14,9 @@ from helpers import read_output
 from cosybatch.config import RunConfig
 from cosybatch.engines import Synthesised
 from cosybatch.engines.piper import PiperEngine
-from cosybatch.executor import run_batch
-from cosybatch.job import run
 from cosybatch.plan import Batch, BudgetGuard, Unit, plan_batches
+from cosybatch.run.executor import run_batch
+from cosybatch.run.local import run
 
 SENTENCES = ["The kettle is boiling.", "Close the window, please.", "Rain is expected today.",
              "The library opens at nine.", "Bring a warm coat.", "The train leaves soon."]

@@ -23,7 +23,7 @@ from helpers import read_output
 from test_resume import corpus_rows, wait_for_items
 
 from cosybatch.config import RunConfig
-from cosybatch.job import run
+from cosybatch.run.local import run
 
 
 def cosybatch(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from conftest import ROOT, write_parquet
 from test_resume import corpus_rows
 
 from cosybatch.config import RunConfig
-from cosybatch.job import run
+from cosybatch.run.local import run
 
 
 def cosybatch(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -136,7 +136,7 @@ def test_metrics_job_is_a_run_flag_and_a_spec_key(tmp_path):
 
 # -- 9. status of a sharded job, --shard 0/0 ---------------------------------------------------
 def test_a_finished_part_reports_its_real_total(tmp_path):
-    from cosybatch.distributed import shard_of
+    from cosybatch.store.distributed import shard_of
 
     ids = [f"id-{i}" for i in range(40)]
     part0 = [i for i in ids if shard_of(i, 2) == 0][:3]
@@ -160,8 +160,8 @@ def test_a_finished_part_reports_its_real_total(tmp_path):
     ("-1/4", "the worker index I must be in 0..3"),
 ])
 def test_a_shard_out_of_range_says_what_is_wrong(spec, message):
-    from cosybatch.distributed import parse_shard
     from cosybatch.errors import UsageError
+    from cosybatch.store.distributed import parse_shard
 
     with pytest.raises(UsageError, match=message):
         parse_shard(spec, env={})
@@ -418,8 +418,8 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
     pytest.importorskip("ray")
     from helpers import read_output
 
-    from cosybatch import ray_run as ray_module
-    from cosybatch.ray_run import RayOptions, ray_run
+    from cosybatch.run import job as job_module
+    from cosybatch.run.ray import RayOptions, ray_run
 
     handled = []
 
@@ -438,7 +438,7 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
 
     when = {"point": "first chunk"}
 
-    class Progress(ray_module.Progress):
+    class Progress(job_module.Progress):
         def update(self, items, audio_s):
             super().update(items, audio_s)
             if when["point"] == "first chunk":
@@ -453,7 +453,7 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
 
     seen = Seen()
     logging.getLogger("cosybatch").addHandler(seen)
-    monkeypatch.setattr(ray_module, "Progress", Progress)
+    monkeypatch.setattr(job_module, "Progress", Progress)
     data = [{"id": f"r{i}", "text": f"Row {i} is here."} for i in range(24)]
     corpus = write_parquet(tmp_path / "c.parquet", data)
     cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")

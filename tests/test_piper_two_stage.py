@@ -16,8 +16,8 @@ from cosybatch.engines import EngineOptions, open_engine
 from cosybatch.engines.piper import PiperOptions
 from cosybatch.engines.piper.split import group_by_frames
 from cosybatch.errors import UsageError
-from cosybatch.job import run
 from cosybatch.plan import Unit
+from cosybatch.run.local import run
 
 # Peaks of this voice's speech are 0.3-0.7. Batched audio differs from an item's single run only by
 # float rounding of differently shaped convolutions, and near its end where a padded batch's decoder

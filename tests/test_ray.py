@@ -15,8 +15,8 @@ ray = pytest.importorskip("ray")
 
 from cosybatch.config import RunConfig  # noqa: E402
 from cosybatch.corpus import Row  # noqa: E402
-from cosybatch.job import run  # noqa: E402
-from cosybatch.ray_run import RayOptions, SynthWorker, ray_run  # noqa: E402
+from cosybatch.run.local import run  # noqa: E402
+from cosybatch.run.ray import RayOptions, SynthWorker, ray_run  # noqa: E402
 
 
 def rows(n: int) -> list[dict]:
@@ -31,7 +31,7 @@ def test_hundred_rows_every_id_once_and_same_bytes_as_run(tmp_path):
                      RayOptions(actors=2, rows_per_task=16))
     assert result.status == "complete" and result.stats["items_done"] == 100
     items = read_output(tmp_path / "ray")
-    from cosybatch.status import job_status
+    from cosybatch.store.status import job_status
 
     status = job_status(tmp_path / "ray")
     assert (status["status"], status["done"], status["failed"]) == ("complete", 100, 0)
@@ -81,7 +81,7 @@ def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
 
 def test_a_retried_chunk_rewrites_the_same_shard(tmp_path):
     """Ray retries a chunk whose actor died; the retry must not add a second copy of its rows."""
-    from cosybatch.checkpoint import OutputDir
+    from cosybatch.store.checkpoint import OutputDir
 
     corpus = write_parquet(tmp_path / "c.parquet", rows(3))
     cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")
@@ -119,7 +119,7 @@ def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
 def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_dir, monkeypatch):
     """One executor: ray-run's actors size batches from the engine exactly as `run` does, and the
     driver never opens an engine (on a GPU it would start CUDA and pre-allocate the pool)."""
-    from cosybatch import executor
+    from cosybatch.run import executor
 
     texts = ["Hello there.", "A somewhat longer sentence for the model.", "Yes.", "Good morning to you all.",
              "The rain stopped at noon.", "No.", "Bright lights, big city.", "Thanks a lot."]

@@ -15,10 +15,10 @@ import pytest
 from conftest import ROOT, write_parquet
 from helpers import read_output
 
-from cosybatch.checkpoint import Journal
 from cosybatch.config import RunConfig
 from cosybatch.errors import ResumeMismatchError
-from cosybatch.job import run
+from cosybatch.run.local import run
+from cosybatch.store.checkpoint import Journal
 
 
 def corpus_rows(n: int) -> list[dict]:
@@ -136,7 +136,7 @@ def test_second_writer_is_refused(tmp_path):
 def test_duplicate_failure_never_hides_the_first_row(tmp_path):
     """The duplicate's failure can be committed before the first row's audio; a resume must still
     synthesise the first row (failures of duplicates are keyed by row number, not id)."""
-    from cosybatch.checkpoint import DUPLICATE_ID, OutputDir
+    from cosybatch.store.checkpoint import DUPLICATE_ID, OutputDir
 
     rows = [{"id": "x", "text": "First."}, {"id": "y", "text": "Second."}, {"id": "x", "text": "Again."}]
     corpus = write_parquet(tmp_path / "c.parquet", rows)

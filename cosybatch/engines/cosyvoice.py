@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..checkpoint import file_fingerprint
+from ..cache import file_fingerprint
 from ..errors import UsageError
 from ..plan import Unit
 from . import Engine, EngineOptions, MemoryPlan, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...checkpoint import file_sha256
+from ...cache import file_sha256
 from ...errors import UsageError, VoiceError
 from ...plan import Unit
 from ..base import Alias, Engine, EngineOptions, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed

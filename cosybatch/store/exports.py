@@ -17,9 +17,9 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..errors import UsageError
 from .checkpoint import write_atomic
 from .distributed import output_dirs
-from .errors import UsageError
 
 FORMATS = ("hf", "nemo", "lhotse")
 

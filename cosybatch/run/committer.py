@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
-from .checkpoint import FAILURES_FILE, Journal, ResumeState
-from .config import RunConfig
+from ..config import RunConfig
+from ..metrics import BatchHistogram
+from ..stats import Progress, Stats, failure_summary
+from ..store.checkpoint import FAILURES_FILE, Journal, ResumeState
+from ..store.shards import ShardWriter
 from .executor import EngineSet, Outcome, RowAssembler, render_rows
-from .metrics import BatchHistogram
-from .shards import ShardWriter
-from .stats import Progress, Stats
 
 log = logging.getLogger("cosybatch")
 
@@ -78,8 +78,9 @@ class Committer:
         self.progress.update(len(failures), 0.0)
         total_failed = self.stats.previous_items_failed + self.stats.items_failed
         if self.max_failed is not None and total_failed > self.max_failed and not self.too_many_failures:
-            log.error("%d rows failed, more than --max-failures %d: stopping; see %s",
-                      total_failed, self.max_failed, self.cfg.out / FAILURES_FILE)
+            rows = self.stats.previous_items_done + self.stats.items_done + total_failed
+            log.error("%s: stopping; see %s", failure_summary(total_failed, rows, self.cfg.max_failures),
+                      self.cfg.out / FAILURES_FILE)
             self.too_many_failures = True
             self.stop.set()
 

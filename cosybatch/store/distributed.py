@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
-from .errors import CorpusError, UsageError
+from ..errors import CorpusError, UsageError
 
 INDEX_VARIABLES = ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "COSYBATCH_SHARD_INDEX")
 
@@ -88,12 +88,17 @@ def output_dirs(root: Path) -> list[Path]:
 
 
 def merge(root: Path, allow_partial: bool = False) -> dict:
-    """Write ROOT/manifest.parquet listing every part's items (shard paths relative to ROOT) and
-    ROOT/failures.jsonl; refuse when parts are missing or unfinished unless `allow_partial`."""
+    """Write ROOT/manifest.parquet listing every part's items (shard paths relative to ROOT),
+    ROOT/failures.jsonl and ROOT/stats.json (the job's totals); refuse when parts are missing or
+    unfinished unless `allow_partial`.
+
+    Returns (and stats.json holds): ``parts`` the job's number of parts (N of --shard I/N),
+    ``parts_found`` the part folders present, ``parts_merged`` the finished ones merged,
+    ``items`` and ``failed`` the rows merged, ``audio_seconds`` their audio, ``problems``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .checkpoint import FAILURES_FILE, MANIFEST_FILE, STATS_FILE, write_atomic
+    from .checkpoint import FAILURES_FILE, MANIFEST_FILE, STATS_FILE, json_bytes, write_atomic
 
     root = Path(root)
     parts = sorted(root.glob("part-*-of-*"))
@@ -133,5 +138,8 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
         pq.write_table(table, tmp)
         os.replace(tmp, root / MANIFEST_FILE)
     write_atomic(root / FAILURES_FILE, "".join(line + "\n" for line in failures).encode())
-    return {"parts": len(parts), "count": count, "items": len(ids), "failed": len(failures),
-            "problems": problems}
+    audio_s = sum(table.column("duration_s").to_pylist()) if table is not None else 0.0
+    result = {"parts": count, "parts_found": len(parts), "parts_merged": len(tables), "items": len(ids),
+              "failed": len(failures), "audio_seconds": round(audio_s, 3), "problems": problems}
+    write_atomic(root / STATS_FILE, json_bytes({"status": "partial" if problems else "complete", **result}))
+    return result

@@ -1,7 +1,7 @@
 """cosybatch on Ray: the same engines and output format, across a Ray cluster's machines.
 
     from cosybatch.config import RunConfig
-    from cosybatch.ray_run import RayOptions, ray_run
+    from cosybatch.run.ray import RayOptions, ray_run
     ray_run(RunConfig(corpus=Path("corpus.parquet"), out=Path("s3-mounted/out")),
             RayOptions(address="auto", actors=8, num_gpus=1))
 
@@ -24,41 +24,29 @@ import hashlib
 import json
 import logging
 import os
-import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from . import __version__
-from .checkpoint import (
+from ..config import RunConfig, cpu_count
+from ..corpus import BadRow, Corpus, Row
+from ..engines import RowRejected, engine_check
+from ..errors import OutputError, UsageError
+from ..store.checkpoint import (
     FAILURES_FILE,
     RAY_FAILURES_DIR,
-    STATS_FILE,
     OutputDir,
-    json_bytes,
+    ResumeState,
     jsonl_bytes,
     keyed_by_row,
     write_atomic,
     write_manifest_table,
 )
-from .config import RunConfig, cpu_count
-from .corpus import BadRow, Corpus, Row
-from .engines import RowRejected, engine_check
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_FAILURES, OutputError, UsageError
+from ..store.shards import ShardWriter
 from .executor import BatchPolicy, EngineSet, RowAssembler, render_rows, run_batch
-from .job import (
-    RowGate,
-    RunResult,
-    adopt_legacy_fingerprint,
-    configure_gpu_allocator,
-    job_fingerprint,
-    open_corpus,
-)
-from .shards import ShardWriter
-from .stats import Progress, Stats
+from .job import Job, RowGate, Runner, RunResult, configure_gpu_allocator, run_job
 
 log = logging.getLogger("cosybatch")
 
@@ -150,7 +138,7 @@ class SynthWorker:
 
 def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
     """(item records from every finished shard, failure records) - the state of a ray-run job."""
-    from .exports import iter_shard
+    from ..store.exports import iter_shard
 
     items = []
     for shard in sorted(out.root.glob("shard-*.tar")):
@@ -185,31 +173,43 @@ def read_rows(corpus: Corpus) -> Iterator[Union[Row, BadRow]]:
 
 
 def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
-    import ray
-    from ray.util import ActorPool
+    """Run the job `cfg` describes on a Ray cluster (`cosybatch ray-run`)."""
+    return run_job(cfg, RayRunner(opts))
 
-    if cfg.shard_count is not None:
-        raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
-    defaults = RunConfig(corpus=cfg.corpus, out=cfg.out)
-    unsupported = [name for name in ("metrics_file", "pushgateway", "metrics_job", "max_runtime", "shard_max_items",
-                                     "shard_max_bytes", "workers", "window", "allow_corpus_change")
-                   if getattr(cfg, name) != getattr(defaults, name)]
-    if unsupported:
-        raise UsageError(f"ray-run does not support {', '.join(unsupported)}: Ray's dashboard and job timeouts "
-                         "cover metrics and time limits, and each ray-run shard is one chunk (--rows-per-task); "
-                         "remove them from the flags or the job spec")
-    out = OutputDir(cfg.out)
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    out.lock()
-    started_ray = False
-    stop = threading.Event()
-    previous: dict = {}  # signal handlers to restore
-    try:
-        corpus = open_corpus(cfg)
-        stats = Stats()
-        t0 = time.monotonic()
-        device = "cuda" if opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
-        engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(device))  # a bad voice: exit 2 here
+
+class RayRunner(Runner):
+    """Dispatch chunks of admitted rows to an actor pool and collect what each wrote; the finished
+    shards are the checkpoint (see the module's docstring)."""
+
+    name = "ray"
+    stopping = "finishing the chunks in flight, then stopping"
+
+    def __init__(self, opts: RayOptions):
+        self.opts = opts
+        self.started_ray = False
+        self.cut_short = False  # a stop request left rows unread or undispatched
+
+    def check(self, cfg: RunConfig) -> RunConfig:
+        if cfg.shard_count is not None:
+            raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
+        defaults = RunConfig(corpus=cfg.corpus, out=cfg.out)
+        unsupported = [name for name in ("metrics_file", "pushgateway", "metrics_job", "max_runtime",
+                                         "shard_max_items", "shard_max_bytes", "workers", "window",
+                                         "allow_corpus_change")
+                       if getattr(cfg, name) != getattr(defaults, name)]
+        if unsupported:
+            raise UsageError(f"ray-run does not support {', '.join(unsupported)}: Ray's dashboard and job "
+                             "timeouts cover metrics and time limits, and each ray-run shard is one chunk "
+                             "(--rows-per-task); remove them from the flags or the job spec")
+        self.device = "cuda" if self.opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
+        engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(self.device))  # a bad voice: exit 2 here
+        return cfg
+
+    def start(self, job: Job) -> dict:
+        import ray
+        from ray.util import ActorPool
+
+        opts = self.opts
         if not ray.is_initialized():
             extra = {}
             if opts.address is None:
@@ -221,35 +221,31 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
                 os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING, configure_logging=False, **extra)
-            started_ray = True
+            self.started_ray = True
         remote = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus, max_restarts=2,
                             max_task_retries=2)(SynthWorker)
-        actors = [remote.remote(cfg, device) for _ in range(opts.actors)]
+        actors = [remote.remote(job.cfg, self.device) for _ in range(opts.actors)]
         try:
-            engine = ray.get(actors[0].describe.remote())  # the driver never opens an engine (nor CUDA)
+            self.engine = ray.get(actors[0].describe.remote())  # the driver never opens an engine (nor CUDA)
         except ray.exceptions.RayActorError as exc:
             raise UsageError(f"the engine could not start in a Ray actor: {exc}") from None
-        pool = ActorPool(actors)
-        stats.stage_s["load"] = time.monotonic() - t0
+        self.pool = ActorPool(actors)
+        return self.engine
 
-        fingerprint = job_fingerprint(cfg, corpus, engine["fingerprint"], runner="ray")
-        adopt_legacy_fingerprint(out, cfg, corpus, fingerprint)
-        out.check_or_start(fingerprint, cfg.restart)
-        for partial in cfg.out.glob("shard-*.tar.partial"):
+    def resume(self, job: Job, corpus_was: Optional[dict]) -> tuple[ResumeState, None]:
+        for partial in job.cfg.out.glob("shard-*.tar.partial"):
             partial.unlink()  # a chunk that never finished; its rows are redone
-        items, failures = scan_output(out)
-        done_ids = {i["id"] for i in items} | {f["id"] for f in failures if not keyed_by_row(f)}
-        failed_rows = {f["row"] for f in failures if keyed_by_row(f)}
-        stats.previous_items_done = len(items)
-        stats.previous_items_failed = len(failures)
-        stats.previous_audio_s = sum(i["duration_s"] for i in items)
+        items, failures = scan_output(job.out)
+        state = ResumeState(done_ids={i["id"] for i in items} | {f["id"] for f in failures if not keyed_by_row(f)},
+                            failed_rows={f["row"] for f in failures if keyed_by_row(f)},
+                            items=len(items), failures=len(failures),
+                            audio_s=sum(i["duration_s"] for i in items))
+        return state, None
 
-        def handler(signum, _frame):
-            log.warning("%s: finishing the chunks in flight, then stopping", signal.Signals(signum).name)
-            stop.set()
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        progress = Progress(corpus.num_rows if not cfg.limit else min(corpus.num_rows or cfg.limit, cfg.limit),
-                            len(items) + len(failures), cfg.progress, cfg.log_every)
+    def dispatch(self, job: Job, corpus: Corpus, gate: RowGate) -> None:
+        import ray
+
+        cfg, stats, progress, pool = job.cfg, job.stats, job.progress, self.pool
         driver_failures: list[dict] = []
 
         def next_result() -> dict:
@@ -278,22 +274,20 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
         def flush_driver_failures() -> None:
             if driver_failures:
                 digest = chunk_digest([f"{f['row']}" for f in driver_failures])
-                write_atomic(out.state / RAY_FAILURES_DIR / f"driver-{digest}.jsonl",
+                write_atomic(job.out.state / RAY_FAILURES_DIR / f"driver-{digest}.jsonl",
                              jsonl_bytes(driver_failures))
                 stats.items_failed += len(driver_failures)
                 progress.update(len(driver_failures), 0.0)
                 driver_failures.clear()
 
-        (out.state / RAY_FAILURES_DIR).mkdir(parents=True, exist_ok=True)
-        gate = RowGate(done_ids, failed_rows, cfg.max_chars)
+        (job.out.state / RAY_FAILURES_DIR).mkdir(parents=True, exist_ok=True)
         chunk: list[Row] = []
-        cut_short = False  # a stop request left rows unread or undispatched
         t_read = time.monotonic()
         for row in read_rows(corpus):
             if cfg.limit is not None and row.index >= cfg.limit:
                 break
-            if stop.is_set():
-                cut_short = True
+            if job.stop.is_set():
+                self.cut_short = True
                 break
             admitted = gate.admit(row)
             if admitted is None:
@@ -302,46 +296,39 @@ def ray_run(cfg: RunConfig, opts: RayOptions = RayOptions()) -> RunResult:
                 driver_failures.append(admitted)
                 continue
             chunk.append(row)
-            if len(chunk) >= opts.rows_per_task:
+            if len(chunk) >= self.opts.rows_per_task:
                 while not pool.has_free():
                     collect(next_result())
                 pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
                 chunk = []
                 flush_driver_failures()
-        if chunk and stop.is_set():
-            cut_short = True
+        if chunk and job.stop.is_set():
+            self.cut_short = True
         elif chunk:
             pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
         flush_driver_failures()
         stats.stage_s["read"] = time.monotonic() - t_read
         while pool.has_next():
             collect(next_result())
-        progress.close()
 
-        items, failures = scan_output(out)
+    def interrupted(self, job: Job) -> bool:
         # A stop that came after every chunk was dispatched interrupted nothing: they all finished.
-        status = "interrupted" if cut_short else "complete"
-        write_manifest_table(cfg.out, items)
-        write_atomic(cfg.out / FAILURES_FILE, jsonl_bytes(failures))
-        snapshot = stats.to_dict(status=status, out=str(cfg.out), engine=engine["name"], voice=engine["voice"],
-                                 device=engine["device"], runner="ray", actors=opts.actors, cosybatch=__version__,
-                                 batch_size_limit=engine["batch_size_limit"], batch_budget=engine["batch_budget"])
-        write_atomic(cfg.out / STATS_FILE, json_bytes(snapshot))
-        max_count, max_rate = cfg.failure_limit()
-        if (max_count is not None and len(failures) > max_count) or (
-                max_rate is not None and len(failures) > max_rate * max(len(items) + len(failures), 1)):
-            log.error("%d rows failed, over --max-failures %s; see %s", len(failures), cfg.max_failures,
-                      cfg.out / FAILURES_FILE)
-            return RunResult("too_many_failures", EXIT_TOO_MANY_FAILURES, snapshot)
-        if status == "complete":
-            from .exports import export
+        return self.cut_short
 
-            for fmt in cfg.export:
-                export(cfg.out, fmt, require_complete=False)
-        return RunResult(status, EXIT_INTERRUPTED if cut_short else EXIT_OK, snapshot)
-    finally:
-        for s, h in previous.items():  # kept until the manifest and stats are written
-            signal.signal(s, h)
-        if started_ray:
+    def end(self, job: Job, interrupted: bool) -> tuple[list[str], dict]:
+        items, failures = scan_output(job.out)
+        write_manifest_table(job.cfg.out, items)
+        write_atomic(job.cfg.out / FAILURES_FILE, jsonl_bytes(failures))
+        return [], {}
+
+    def describe(self) -> dict:
+        e = self.engine
+        return {"engine": e["name"], "voice": e["voice"], "device": e["device"], "runner": "ray",
+                "actors": self.opts.actors, "batch_size_limit": e["batch_size_limit"],
+                "batch_budget": e["batch_budget"]}
+
+    def close(self) -> None:
+        if self.started_ray:
+            import ray
+
             ray.shutdown()
-        out.unlock()

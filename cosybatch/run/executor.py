@@ -14,13 +14,13 @@ from typing import Optional
 
 import numpy as np
 
-from . import __version__
-from .config import RunConfig, cpu_count
-from .corpus import Row
-from .engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
-from .errors import CosybatchError
-from .plan import Batch, BudgetGuard, Unit, plan_batches
-from .shards import item_key, wav_bytes
+from .. import __version__
+from ..config import RunConfig, cpu_count
+from ..corpus import Row
+from ..engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
+from ..errors import CosybatchError
+from ..plan import Batch, BudgetGuard, Unit, plan_batches
+from ..store.shards import item_key, wav_bytes
 
 log = logging.getLogger("cosybatch")
 
@@ -108,7 +108,7 @@ def run_batch(engine: Engine, batch: Batch, guard: Optional[BudgetGuard] = None)
     lowers the budget of that length range for the rest of the run. A unit that runs out of
     memory alone fails its row with the reason. Any other error: each unit is retried alone, so
     one bad unit fails only its own row."""
-    from .gpu import is_oom
+    from ..gpu import is_oom
 
     t = time.monotonic()
     outcome = Outcome(batch, [None] * len(batch.units))

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..errors import UsageError
 from .checkpoint import (
     JOB_FILE,
     JOURNAL_FILE,
@@ -23,7 +24,6 @@ from .checkpoint import (
     OutputDir,
 )
 from .distributed import output_dirs
-from .errors import UsageError
 
 RATE_WINDOW_S = 120.0  # the rate is measured over the last two minutes of commits
 

@@ -15,9 +15,9 @@ import json
 import tarfile
 from pathlib import Path
 
+from ..errors import UsageError
 from .checkpoint import MANIFEST_FILE
 from .distributed import output_dirs
-from .errors import UsageError
 
 
 def verify(root: Path) -> dict:

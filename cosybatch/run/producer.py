@@ -9,14 +9,14 @@ import threading
 import time
 from typing import Optional
 
-from .config import RunConfig
-from .corpus import Corpus
-from .distributed import shard_of
-from .engines import RowRejected
-from .errors import CorpusError
+from ..config import RunConfig
+from ..corpus import Corpus
+from ..engines import RowRejected
+from ..errors import CorpusError
+from ..plan import Unit
+from ..stats import Stats
+from ..store.distributed import shard_of
 from .executor import BatchPolicy, EngineSet, RowAssembler
-from .plan import Unit
-from .stats import Stats
 
 FIRST_WINDOW_ROWS = 64  # the first window is small so audio starts flowing at once
 

@@ -15,7 +15,6 @@ each shard must be.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -27,32 +26,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
-from .errors import ResumeMismatchError, UsageError
+from ..cache import file_fingerprint, file_sha256  # noqa: F401  (re-exported: fingerprints of the job)
+from ..errors import ResumeMismatchError, UsageError
 from .shards import fsync_dir, shard_name
-
-
-def file_fingerprint(path: Path) -> dict:
-    """Identifies a (possibly multi-GB) file cheaply: its size and a hash of its first and last MiB."""
-    size = path.stat().st_size
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 2 << 20:
-            f.seek(size - (1 << 20))
-            h.update(f.read())
-    return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
-
-
-def file_sha256(path: Path) -> dict:
-    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB)."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": h.hexdigest()}
-
 
 STATE_DIR = ".cosybatch"
 JOB_FILE = "job.json"
@@ -301,24 +277,13 @@ class OutputDir:
                 write_atomic(self.job_file, json_bytes({**recorded, "fingerprint": fingerprint,
                                                         "corpus_history": history}))
                 return old.get("corpus") or {}
-            if corpus_only:
-                raise ResumeMismatchError(
-                    f"{self.root} was made from another version of the corpus: " + "; ".join(diffs)
-                    + ". To go on with this corpus and keep the committed audio, rerun with "
-                    "--allow-corpus-change: committed ids are kept, new ids are synthesised, and "
-                    "committed ids whose row changed are listed in corpus_changes.jsonl. Or pass "
-                    "--restart to delete that output and start over, or choose another --out folder."
-                )
             if diffs:
-                raise ResumeMismatchError(
-                    f"{self.root} holds a run with different settings: " + "; ".join(diffs)
-                    + ". Rerun with the same settings to resume, pass --restart to delete that "
-                    "output and start over, or choose another --out folder."
-                )
+                raise ResumeMismatchError(mismatch_message(self.root, old, fingerprint, diffs, corpus_only))
             return {}
         if any(self.root.glob("shard-*.tar*")):
             raise ResumeMismatchError(f"{self.root} holds shards but no cosybatch job record "
-                                      f"({STATE_DIR}/{JOB_FILE}); choose an empty --out folder or pass --restart")
+                                      f"({STATE_DIR}/{JOB_FILE}); choose an empty --out folder (--restart would "
+                                      "delete those shards)")
         write_atomic(self.job_file, json_bytes({"format": JOB_FORMAT, "created": time.time(),
                                                 "fingerprint": fingerprint}))
         return None
@@ -474,3 +439,45 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             diffs.append(f"{prefix}{key} was {a!r}, now {b!r}")
     return diffs
+
+
+def mismatch_message(root: Path, old: dict, new: dict, diffs: list[str], corpus_only: bool) -> str:
+    """Why a run is refused the folder: first one sentence in the terms a user chose (engine,
+    voice, corpus, device), then every difference, then what to do. --restart is only ever named
+    with what it deletes."""
+    lines = [f"{root}: {_headline(old, new, diffs)}.", "Differences: " + "; ".join(diffs) + "."]
+    if corpus_only:
+        lines.append("To go on with this corpus and keep the committed audio, rerun with --allow-corpus-change: "
+                     "committed ids are kept, new ids are synthesised, and committed ids whose row changed are "
+                     "listed in corpus_changes.jsonl. Or choose another --out folder.")
+    else:
+        lines.append("Rerun with the job's settings to resume it, or choose another --out folder for this run.")
+    lines.append(f"(--restart would DELETE the audio already in {root} and start that job over.)")
+    return "\n".join(lines)
+
+
+def _headline(old: dict, new: dict, diffs: list[str]) -> str:
+    def at(fp: dict, *keys):
+        for key in keys:
+            fp = fp.get(key) if isinstance(fp, dict) else None
+        return fp
+
+    def job_kind(fp: dict) -> str:
+        return "ray-run" if fp.get("runner") == "ray" else "run"
+
+    for keys, say in (
+        (("engine", "engine"), "this folder holds a {old} job; this run asks for {new}"),
+        (("engine", "voice"), "this folder holds audio in voice {old}; this run asks for voice {new}"),
+        (("corpus", "name"), "this folder was made from {old}; this run reads {new}"),
+        (("shard",), "this folder holds shard {old} of a job; this run is shard {new}"),
+        (("engine", "device"), "this folder's audio was made on {old}; this run would use {new}"),
+    ):
+        a, b = at(old, *keys), at(new, *keys)
+        if a != b:
+            return say.format(old=a if a is not None else "(none)", new=b if b is not None else "(none)")
+    if job_kind(old) != job_kind(new):
+        return f"this folder holds a `cosybatch {job_kind(old)}` job; this is `cosybatch {job_kind(new)}`"
+    if all(d.startswith("corpus.") for d in diffs):
+        return f"this folder was made from another version of the corpus ({at(new, 'corpus', 'name')} changed)"
+    names = sorted({d.split(" was ", 1)[0].rsplit(".", 1)[-1] for d in diffs})
+    return "this run's settings differ from the job in this folder: " + ", ".join(names)
