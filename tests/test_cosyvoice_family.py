@@ -16,7 +16,8 @@ from conftest import write_jsonl
 from helpers import read_output
 
 from cosybatch.cosyvoice.family import ENDOFPROMPT
-from cosybatch.cosyvoice.model import ModelDirError, read_config
+from cosybatch.cosyvoice.model import read_config
+from cosybatch.cosyvoice.weights import ModelDirError
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions, check_setup
 from cosybatch.errors import UsageError

@@ -1,38 +1,17 @@
-"""CosyVoice2's flow-matching model (speech tokens -> mel), batch-native.
-
-Architecture after upstream's ``CausalMaskedDiffWithXvec`` (FunAudioLLM/CosyVoice, Apache-2.0):
-token embedding, speaker-embedding projection, an upsampling Conformer encoder (a 3-token
-look-ahead conv, 6 blocks, x2 upsampling, 4 more blocks, relative-position attention), and a
-conditional flow-matching decoder (a 1-D U-Net of causal conv ResNet blocks and transformer blocks)
-solved with Euler steps on a cosine time schedule and classifier-free guidance.
-
-Attribute names follow upstream's so an official ``flow.pt`` loads with strict key checks.
-Upstream runs one utterance at a time; here one call takes a padded batch of different lengths
-and every item's mel equals what the item gives alone:
-
-- the look-ahead conv reads 3 frames to the right, so padded frames are zeroed before it (a lone
-  item sees zero padding there);
-- attention masks padded keys; every other layer is causal or pointwise, so padding never
-  reaches a real frame;
-- the decoder's starting noise is upstream's fixed noise (seed 0, a prefix of one buffer per
-  item), so an item's noise does not depend on its batch.
+"""What every family's flow shares: its input, the Euler solver of conditional flow matching
+(upstream's ``CausalConditionalCFM``, with classifier-free guidance), and the estimator's
+timestep and transformer blocks (used by the v1 and v2 U-Nets; v3's DiT has its own).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from .yamlconf import Call, expect
-
-# Upstream's decoder noise: torch.manual_seed(0); torch.randn(1, 80, 50 * 300).
-NOISE_SEED = 0
-NOISE_FRAMES = 50 * 300
 
 
 def length_mask(lengths: Tensor, size: int) -> Tensor:
@@ -40,170 +19,14 @@ def length_mask(lengths: Tensor, size: int) -> Tensor:
     return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
 
 
-# --------------------------------------------------------------------------------------------
-# Encoder
+@dataclass
+class FlowInput:
+    """One utterance for the flow: speech tokens and the voice to speak them in."""
 
-
-def relative_positions(size: int, dim: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """ESPnet-style relative sinusoidal table for distances size-1 ... -(size-1): (1, 2*size-1, dim).
-
-    Computed per distance exactly as upstream's cached table, so values do not depend on ``size``.
-    """
-    position = torch.arange(size, dtype=torch.float32)[:, None]
-    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim))
-    ahead = torch.zeros(size, dim)
-    behind = torch.zeros(size, dim)
-    ahead[:, 0::2] = torch.sin(position * freq)
-    ahead[:, 1::2] = torch.cos(position * freq)
-    behind[:, 0::2] = torch.sin(-1 * position * freq)
-    behind[:, 1::2] = torch.cos(-1 * position * freq)
-    table = torch.cat([ahead.flip(0), behind[1:]], dim=0)
-    return table[None].to(device=device, dtype=dtype)
-
-
-class LinearEmbed(nn.Module):
-    """Linear + LayerNorm, scaled by sqrt(dim) (upstream's LinearNoSubsampling + rel. pos. encoding)."""
-
-    def __init__(self, idim: int, odim: int):
-        super().__init__()
-        self.out = nn.Sequential(nn.Linear(idim, odim), nn.LayerNorm(odim, eps=1e-5))
-        self.scale = math.sqrt(odim)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        x = self.out(x) * self.scale
-        return x, relative_positions(x.size(1), x.size(2), x.device, x.dtype)
-
-
-class RelPositionAttention(nn.Module):
-    """Multi-head self-attention with Transformer-XL relative positions (biases u and v)."""
-
-    def __init__(self, heads: int, dim: int, key_bias: bool = True):
-        super().__init__()
-        self.h, self.d_k = heads, dim // heads
-        self.linear_q = nn.Linear(dim, dim)
-        self.linear_k = nn.Linear(dim, dim, bias=key_bias)
-        self.linear_v = nn.Linear(dim, dim)
-        self.linear_out = nn.Linear(dim, dim)
-        self.linear_pos = nn.Linear(dim, dim, bias=False)
-        self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.d_k))
-        self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.d_k))
-
-    def forward(self, x: Tensor, key_mask: Tensor, pos: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        q = self.linear_q(x).view(b, t, self.h, self.d_k)
-        k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        p = self.linear_pos(pos).view(1, -1, self.h, self.d_k).transpose(1, 2)
-        content = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
-        position = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
-        # Column j of row i holds distance i - j: table index (t - 1) - i + j.
-        index = (t - 1) - torch.arange(t, device=x.device)[:, None] + torch.arange(t, device=x.device)[None, :]
-        position = position.gather(-1, index.expand(b, self.h, t, t))
-        scores = (content + position) / math.sqrt(self.d_k)
-        hidden = key_mask[:, None, None, :].logical_not()
-        attn = torch.softmax(scores.masked_fill(hidden, -float("inf")), dim=-1).masked_fill(hidden, 0.0)
-        out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t, self.h * self.d_k)
-        return self.linear_out(out)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w_1 = nn.Linear(dim, hidden)
-        self.w_2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(F.silu(self.w_1(x)))
-
-
-class ConformerLayer(nn.Module):
-    """Pre-norm block: relative-position self-attention, then a feed-forward (no conv module)."""
-
-    def __init__(self, dim: int, heads: int, hidden: int, key_bias: bool = True):
-        super().__init__()
-        self.self_attn = RelPositionAttention(heads, dim, key_bias)
-        self.feed_forward = FeedForward(dim, hidden)
-        self.norm_ff = nn.LayerNorm(dim, eps=1e-12)
-        self.norm_mha = nn.LayerNorm(dim, eps=1e-12)
-
-    def forward(self, x: Tensor, key_mask: Tensor, pos: Tensor) -> Tensor:
-        x = x + self.self_attn(self.norm_mha(x), key_mask, pos)
-        return x + self.feed_forward(self.norm_ff(x))
-
-
-class PreLookahead(nn.Module):
-    """Residual conv that reads ``lookahead`` frames ahead, then a causal conv of width 3."""
-
-    def __init__(self, channels: int, lookahead: int):
-        super().__init__()
-        self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
-        self.conv2 = nn.Conv1d(channels, channels, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = F.pad(x.transpose(1, 2), (0, self.lookahead))
-        h = F.leaky_relu(self.conv1(h))
-        h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))
-        return h.transpose(1, 2) + x
-
-
-class RepeatUpsample(nn.Module):
-    """Nearest-neighbour x``stride`` upsampling followed by a causal conv."""
-
-    def __init__(self, channels: int, stride: int):
-        super().__init__()
-        self.stride = stride
-        self.conv = nn.Conv1d(channels, channels, stride * 2 + 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = F.interpolate(x, scale_factor=float(self.stride), mode="nearest")
-        return self.conv(F.pad(x, (self.stride * 2, 0)))
-
-
-class UpsampleConformerEncoder(nn.Module):
-    def __init__(
-        self,
-        input_size: int = 512,
-        output_size: int = 512,
-        attention_heads: int = 8,
-        linear_units: int = 2048,
-        num_blocks: int = 6,
-        num_up_blocks: int = 4,
-        pre_lookahead_len: int = 3,
-        upsample_stride: int = 2,
-        key_bias: bool = True,
-    ):
-        super().__init__()
-        self.embed = LinearEmbed(input_size, output_size)
-        self.pre_lookahead_layer = PreLookahead(output_size, pre_lookahead_len)
-        self.encoders = nn.ModuleList(
-            ConformerLayer(output_size, attention_heads, linear_units, key_bias) for _ in range(num_blocks)
-        )
-        self.up_layer = RepeatUpsample(output_size, upsample_stride)
-        self.up_embed = LinearEmbed(input_size, output_size)
-        self.up_encoders = nn.ModuleList(
-            ConformerLayer(output_size, attention_heads, linear_units, key_bias) for _ in range(num_up_blocks)
-        )
-        self.after_norm = nn.LayerNorm(output_size, eps=1e-5)
-
-    def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """x: (B, T, D) with zeros past each length -> (B, stride*T, D), stride * lengths."""
-        mask = length_mask(lengths, x.size(1))
-        x, pos = self.embed(x)
-        x = self.pre_lookahead_layer(x * mask[..., None])
-        for layer in self.encoders:
-            x = layer(x, mask, pos)
-        x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
-        lengths = lengths * self.up_layer.stride
-        mask = length_mask(lengths, x.size(1))
-        x, pos = self.up_embed(x)
-        for layer in self.up_encoders:
-            x = layer(x, mask, pos)
-        return self.after_norm(x), lengths
-
-
-# --------------------------------------------------------------------------------------------
-# Decoder (the flow-matching estimator)
+    tokens: Tensor  # (T,) speech token ids
+    embedding: Tensor  # (192,) speaker embedding (campplus x-vector)
+    prompt_tokens: Tensor | None = None  # (P,) tokens of the prompt audio (zero-shot), else None
+    prompt_mel: Tensor | None = None  # (F, 80) mel of the prompt audio, normally F == 2 * P
 
 
 def timestep_features(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
@@ -221,48 +44,6 @@ class TimestepMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
-
-
-class CausalConv1d(nn.Conv1d):
-    """Conv1d padded on the left only, so no output frame reads a later input frame."""
-
-    def __init__(self, cin: int, cout: int, kernel: int):
-        super().__init__(cin, cout, kernel)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
-
-
-class _ChannelLayerNorm(nn.LayerNorm):
-    """LayerNorm over channels of a (B, C, T) tensor."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x.transpose(1, 2)).transpose(1, 2)
-
-
-class CausalBlock(nn.Module):
-    def __init__(self, dim: int, dim_out: int):
-        super().__init__()
-        # Indices 0 and 2 carry weights, as upstream's Sequential(conv, transpose, norm, transpose, mish).
-        self.block = nn.Sequential(
-            CausalConv1d(dim, dim_out, 3), nn.Identity(), _ChannelLayerNorm(dim_out), nn.Identity(), nn.Mish()
-        )
-
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        return self.block(x * mask) * mask
-
-
-class CausalResnetBlock(nn.Module):
-    def __init__(self, dim: int, dim_out: int, time_dim: int):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, dim_out))
-        self.block1 = CausalBlock(dim, dim_out)
-        self.block2 = CausalBlock(dim_out, dim_out)
-        self.res_conv = nn.Conv1d(dim, dim_out, 1)
-
-    def forward(self, x: Tensor, mask: Tensor, t: Tensor) -> Tensor:
-        h = self.block1(x, mask) + self.mlp(t)[:, :, None]
-        return self.block2(h, mask) + self.res_conv(x * mask)
 
 
 class Attention(nn.Module):
@@ -315,85 +96,17 @@ class TransformerBlock(nn.Module):
         return x + self.ff(self.norm3(x))
 
 
-class CausalConditionalDecoder(nn.Module):
-    """1-D U-Net estimating the flow's velocity from (x, mu, speaker, prompt condition, t)."""
-
-    def __init__(
-        self,
-        in_channels: int = 320,
-        out_channels: int = 80,
-        channels: Sequence[int] = (256,),
-        attention_head_dim: int = 64,
-        n_blocks: int = 4,
-        num_mid_blocks: int = 12,
-        num_heads: int = 8,
-        act_fn: str = "gelu",
-    ):
-        super().__init__()
-        if act_fn != "gelu":
-            raise ValueError(f"decoder act_fn {act_fn!r} is not supported (CosyVoice2 uses 'gelu')")
-        if len(channels) != 1:
-            # Downsampling levels would need per-item handling of odd lengths; CosyVoice2 has one level.
-            raise ValueError(f"decoder channels {list(channels)}: only one level is supported, as in CosyVoice2")
-        width = channels[0]
-        self.in_channels = in_channels
-        time_dim = width * 4
-        self.time_mlp = TimestepMLP(in_channels, time_dim)
-
-        def transformers() -> nn.ModuleList:
-            return nn.ModuleList(TransformerBlock(width, num_heads, attention_head_dim) for _ in range(n_blocks))
-
-        # One level (channels has one entry): resnet, transformers, then a causal conv in place of resampling.
-        down = [CausalResnetBlock(in_channels, width, time_dim), transformers(), CausalConv1d(width, width, 3)]
-        self.down_blocks = nn.ModuleList([nn.ModuleList(down)])
-        self.mid_blocks = nn.ModuleList(
-            nn.ModuleList([CausalResnetBlock(width, width, time_dim), transformers()]) for _ in range(num_mid_blocks)
-        )
-        up = [CausalResnetBlock(2 * width, width, time_dim), transformers(), CausalConv1d(width, width, 3)]
-        self.up_blocks = nn.ModuleList([nn.ModuleList(up)])
-        self.final_block = CausalBlock(width, width)
-        self.final_proj = nn.Conv1d(width, out_channels, 1)
-
-    @staticmethod
-    def _attend(x: Tensor, blocks: nn.ModuleList, bias: Tensor) -> Tensor:
-        x = x.transpose(1, 2)
-        for block in blocks:
-            x = block(x, bias)
-        return x.transpose(1, 2)
-
-    def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
-        """x, mu, cond: (B, 80, T); mask: (B, 1, T); t: (B,) (any float dtype); spks: (B, 80)."""
-        temb = self.time_mlp(timestep_features(t.float(), self.in_channels).to(x.dtype))
-        h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.size(2)), cond], dim=1)
-        # Additive attention bias: 0 on real keys, -1e10 on padded ones (as upstream's mask_to_bias);
-        # in fp16, whose range ends at 65504, -1e10 would become -inf (a row of only -inf is NaN),
-        # so the most negative finite fp16 value instead.
-        hidden = -min(1.0e10, torch.finfo(x.dtype).max)
-        bias = torch.zeros_like(mask, dtype=x.dtype).masked_fill(mask == 0, hidden)[:, :, None, :]
-        resnet, blocks, down = self.down_blocks[0]
-        h = self._attend(resnet(h, mask, temb), blocks, bias)
-        skip = h
-        h = down(h * mask)
-        for resnet, blocks in self.mid_blocks:
-            h = self._attend(resnet(h, mask, temb), blocks, bias)
-        resnet, blocks, up = self.up_blocks[0]
-        h = self._attend(resnet(torch.cat([h[:, :, : skip.size(2)], skip], dim=1), mask, temb), blocks, bias)
-        h = up(h * mask)
-        h = self.final_block(h, mask)
-        return self.final_proj(h * mask) * mask
-
-
 class CausalConditionalCFM(nn.Module):
     """Euler solver for the conditional flow, with classifier-free guidance."""
 
     def __init__(
-        self, estimator: CausalConditionalDecoder, t_scheduler: str = "cosine", inference_cfg_rate: float = 0.7
+        self, estimator: nn.Module, t_scheduler: str = "cosine", inference_cfg_rate: float = 0.7
     ):
         super().__init__()
         if t_scheduler not in ("cosine", "linear"):
             raise ValueError(f"t_scheduler {t_scheduler!r} is not supported")
         self.estimator = estimator
-        # Called in place of the estimator when set (same arguments): an ONNX Runtime session, see flow_onnx.
+        # Called in place of the estimator when set (same arguments): an ONNX Runtime session, see flow/onnx.py.
         self.runner: Callable[..., Tensor] | None = None
         self.t_scheduler = t_scheduler
         self.inference_cfg_rate = inference_cfg_rate
@@ -421,141 +134,3 @@ class CausalConditionalCFM(nn.Module):
             if step < n_timesteps:
                 dt = t_span[step + 1] - t
         return x.float()
-
-
-# --------------------------------------------------------------------------------------------
-# The whole flow
-
-
-@dataclass
-class FlowInput:
-    """One utterance for the flow: speech tokens and the voice to speak them in."""
-
-    tokens: Tensor  # (T,) speech token ids
-    embedding: Tensor  # (192,) speaker embedding (campplus x-vector)
-    prompt_tokens: Tensor | None = None  # (P,) tokens of the prompt audio (zero-shot), else None
-    prompt_mel: Tensor | None = None  # (F, 80) mel of the prompt audio, normally F == 2 * P
-
-
-class CausalMaskedDiffWithXvec(nn.Module):
-    def __init__(
-        self,
-        encoder: UpsampleConformerEncoder,
-        decoder: CausalConditionalCFM,
-        input_size: int = 512,
-        output_size: int = 80,
-        spk_embed_dim: int = 192,
-        vocab_size: int = 6561,
-        token_mel_ratio: int = 2,
-        n_timesteps: int = 10,
-    ):
-        super().__init__()
-        self.output_size = output_size
-        self.vocab_size = vocab_size
-        self.token_mel_ratio = token_mel_ratio
-        self.n_timesteps = n_timesteps
-        self.input_embedding = nn.Embedding(vocab_size, input_size)
-        self.spk_embed_affine_layer = nn.Linear(spk_embed_dim, output_size)
-        self.encoder = encoder
-        self.encoder_proj = nn.Linear(encoder.after_norm.normalized_shape[0], output_size)
-        self.decoder = decoder
-        self._noise: Tensor | None = None
-
-    def mel_frames(self, n_tokens: int) -> int:
-        """Mel frames this flow makes from ``n_tokens`` speech tokens (a fixed ratio here; not so in v1)."""
-        return self.token_mel_ratio * n_tokens
-
-    def noise(self, frames: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """Upstream's fixed starting noise, (1, 80, frames); past its 300 s, further seeded blocks."""
-        blocks = max(1, math.ceil(frames / NOISE_FRAMES))
-        if self._noise is None or self._noise.size(2) < blocks * NOISE_FRAMES:
-            parts = []
-            for k in range(blocks):
-                gen = torch.Generator().manual_seed(NOISE_SEED + k)
-                parts.append(torch.randn([1, self.output_size, NOISE_FRAMES], generator=gen))
-            self._noise = torch.cat(parts, dim=2)
-        return self._noise[:, :, :frames].to(device=device, dtype=dtype)
-
-    @torch.inference_mode()
-    def inference(self, items: Sequence[FlowInput]) -> list[Tensor]:
-        """Mel spectrograms (80, token_mel_ratio * T) of each item, prompt frames removed."""
-        device = self.input_embedding.weight.device
-        dtype = self.spk_embed_affine_layer.weight.dtype
-        empty_tokens = torch.zeros(0, dtype=torch.long)
-        empty_mel = torch.zeros(0, self.output_size)
-        tokens, prompt_frames = [], []
-        for item in items:
-            prompt = item.prompt_tokens if item.prompt_tokens is not None else empty_tokens
-            tokens.append(torch.cat([prompt.long().cpu(), item.tokens.long().cpu()]))
-            prompt_frames.append(0 if item.prompt_mel is None else item.prompt_mel.size(0))
-        lengths = torch.tensor([len(t) for t in tokens], device=device)
-        padded = nn.utils.rnn.pad_sequence(tokens, batch_first=True).to(device)
-        token_mask = length_mask(lengths, padded.size(1))
-
-        spks = F.normalize(torch.stack([item.embedding.reshape(-1) for item in items]).to(device, dtype), dim=1)
-        spks = self.spk_embed_affine_layer(spks)
-        x = self.input_embedding(padded.clamp(0, self.vocab_size - 1)) * token_mask[..., None].to(dtype)
-        h, mel_lengths = self.encoder(x, lengths)
-        mu = self.encoder_proj(h).transpose(1, 2).contiguous()
-        frames = mu.size(2)
-        mask = length_mask(mel_lengths, frames)[:, None, :].to(dtype)
-        cond = torch.zeros_like(mu)
-        for i, item in enumerate(items):
-            mel = item.prompt_mel if item.prompt_mel is not None else empty_mel
-            cond[i, :, : mel.size(0)] = mel.to(device, dtype).t()
-        z = self.noise(frames, device, torch.float32).expand(len(items), -1, -1)
-        mel = self.decoder(z, mu, mask, spks, cond, self.n_timesteps)
-        return [mel[i, :, prompt_frames[i] : int(mel_lengths[i])] for i in range(len(items))]
-
-
-def build_flow(node: Call) -> CausalMaskedDiffWithXvec:
-    """Construct the flow from the ``flow:`` section of cosyvoice2.yaml (parsed, never executed)."""
-    flow = expect(node, "CausalMaskedDiffWithXvec", where="flow")
-    enc = expect(flow.kwargs.get("encoder"), "UpsampleConformerEncoder", where="flow.encoder").kwargs
-    cfm = expect(flow.kwargs.get("decoder"), "CausalConditionalCFM", where="flow.decoder")
-    est = expect(cfm.kwargs.get("estimator"), "CausalConditionalDecoder", where="flow.decoder.estimator").kwargs
-    params = cfm.kwargs.get("cfm_params")
-    if isinstance(params, Call):  # !new:omegaconf.DictConfig {content: {...}}
-        params = params.kwargs.get("content", params.kwargs)
-    params = params or {}
-    for key, want in (("input_layer", "linear"), ("pos_enc_layer_type", "rel_pos_espnet"),
-                      ("selfattention_layer_type", "rel_selfattn"), ("normalize_before", True)):
-        if enc.get(key, want) != want:
-            raise ValueError(f"flow.encoder.{key}={enc[key]!r} is not supported (CosyVoice2 uses {want!r})")
-    if enc.get("use_cnn_module", False) or enc.get("macaron_style", False):
-        raise ValueError("flow.encoder with a conv module or macaron feed-forward is not supported")
-    if params.get("solver", "euler") != "euler":
-        raise ValueError(f"flow solver {params['solver']!r} is not supported")
-    encoder = UpsampleConformerEncoder(
-        input_size=int(enc.get("input_size", 512)),
-        output_size=int(enc.get("output_size", 512)),
-        attention_heads=int(enc.get("attention_heads", 8)),
-        linear_units=int(enc.get("linear_units", 2048)),
-        num_blocks=int(enc.get("num_blocks", 6)),
-        pre_lookahead_len=int(flow.kwargs.get("pre_lookahead_len", 3)),
-        key_bias=bool(enc.get("key_bias", True)),
-    )
-    estimator = CausalConditionalDecoder(
-        in_channels=int(est.get("in_channels", 320)),
-        out_channels=int(est.get("out_channels", 80)),
-        channels=tuple(est.get("channels", (256,))),
-        attention_head_dim=int(est.get("attention_head_dim", 64)),
-        n_blocks=int(est.get("n_blocks", 4)),
-        num_mid_blocks=int(est.get("num_mid_blocks", 12)),
-        num_heads=int(est.get("num_heads", 8)),
-        act_fn=str(est.get("act_fn", "gelu")),
-    )
-    decoder = CausalConditionalCFM(
-        estimator,
-        t_scheduler=str(params.get("t_scheduler", "cosine")),
-        inference_cfg_rate=float(params.get("inference_cfg_rate", 0.7)),
-    )
-    return CausalMaskedDiffWithXvec(
-        encoder,
-        decoder,
-        input_size=int(flow.kwargs.get("input_size", 512)),
-        output_size=int(flow.kwargs.get("output_size", 80)),
-        spk_embed_dim=int(flow.kwargs.get("spk_embed_dim", 192)),
-        vocab_size=int(flow.kwargs.get("vocab_size", 6561)),
-        token_mel_ratio=int(flow.kwargs.get("token_mel_ratio", 2)),
-    )
