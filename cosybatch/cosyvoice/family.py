@@ -110,10 +110,20 @@ def yaml_of(model_dir: Path) -> tuple[Family, Path]:
     if len(present) > 1:
         raise UnknownModel(f"{model_dir}: holds {' and '.join(f.yaml for f in present)}; a model folder holds one")
     if not present:
-        found = sorted(p.name for p in model_dir.iterdir())[:12]
-        expected = ", ".join(f.yaml for f in FAMILIES)
-        raise UnknownModel(f"{model_dir}: no CosyVoice yaml ({expected}); found: {', '.join(found) or 'nothing'}")
+        raise UnknownModel(not_a_model_folder(model_dir))
     return present[0], model_dir / present[0].yaml
+
+
+def not_a_model_folder(model_dir: Path) -> str:
+    """What a folder without a family's yaml should have held, in two lines (not what it holds: a
+    wrong folder may hold thousands of files). Points at a sub-folder that is a model folder."""
+    expected = ", ".join(f.yaml for f in FAMILIES)
+    inside = sorted(sub.name for sub in model_dir.iterdir()
+                    if sub.is_dir() and any((sub / f.yaml).is_file() for f in FAMILIES))
+    hint = f"; {model_dir / inside[0]} is one: pass that folder" if inside else ""
+    return (f"{model_dir}: no CosyVoice yaml ({expected}), so not a CosyVoice model folder{hint}.\n"
+            "A model folder as downloaded (e.g. pretrained_models/CosyVoice2-0.5B) holds one of them with llm.pt, "
+            "flow.pt, hift.pt, campplus.onnx, its speech_tokenizer_v*.onnx and, for v2 and v3, CosyVoice-BlankEN/")
 
 
 def check_classes(family: Family, raw: dict[str, Any], where: str) -> None:
