@@ -45,8 +45,9 @@ def worker(args) -> None:
 
     sys.path.insert(0, str(ROOT / "tests"))
     import cosybatch
+    from cosybatch.cosyvoice.pipeline import Segment
     from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
-    from cosybatch.engines.cosyvoice import CosyVoiceOptions, Segment
+    from cosybatch.engines.cosyvoice import CosyVoiceOptions
     from cosybatch.plan import Unit
 
     device = args.device

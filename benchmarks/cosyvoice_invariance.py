@@ -40,11 +40,11 @@ TEXTS = [
 def write_model(folder: Path, family: str, size: str) -> Path:
     """A tiny (or real-size) random-weight folder of the family, with built-in speakers."""
     if family == "v1":
-        from cosybatch.cosyvoice.tiny_v1 import write_model_dir
+        from cosybatch.cosyvoice.tiny.v1 import write_model_dir
 
         return write_model_dir(folder / "CosyVoice-300M-SFT", variant="sft", size=size)
     if family == "v3":
-        from cosybatch.cosyvoice.tiny_v3 import write_model_dir_v3
+        from cosybatch.cosyvoice.tiny.v3 import write_model_dir_v3
 
         if size != "tiny":
             raise SystemExit("--family v3: only tiny folders are written (its writer has no real sizes yet)")

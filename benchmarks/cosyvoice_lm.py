@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cosybatch.cosyvoice.llm import LMRequest, Sampling, SlotPool, load_llm
+from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling, SlotPool
+from cosybatch.cosyvoice.lm.v2 import load_llm
 from cosybatch.cosyvoice.tiny import write_model_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

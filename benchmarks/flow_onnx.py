@@ -29,9 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cosybatch.cosyvoice.flow import FlowInput  # noqa: E402
+from cosybatch.cosyvoice.flow.cfm import FlowInput  # noqa: E402
+from cosybatch.cosyvoice.pipeline import Token2Wav  # noqa: E402
 from cosybatch.cosyvoice.tiny import write_model_dir  # noqa: E402
-from cosybatch.cosyvoice.token2wav import Token2Wav  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from token2wav import make_items, sync  # noqa: E402  (the same items and sync as token2wav.py)

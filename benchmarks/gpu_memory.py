@@ -186,7 +186,8 @@ def child(config_path: Path) -> None:
     rec.say(f"loaded in {rec.data['seconds']['load']:.1f} s; backend {rec.data['backend']}; "
             f"{gpu.ENV}={rec.data['alloc_conf']}; note {rec.data['configure_note']!r}")
 
-    from cosybatch.engines.cosyvoice import TOKENS_PER_TEXT_TOKEN, Segment
+    from cosybatch.cosyvoice.pipeline import Segment
+    from cosybatch.engines.cosyvoice.engine import TOKENS_PER_TEXT_TOKEN
     from cosybatch.plan import Unit
 
     voice = engine.default_voice
@@ -251,8 +252,8 @@ def low_section(cfg, rec, engine, voice, batch, units, dev, cuda, sync, deadline
     """(b): per-stage probes, the budget they give, then the longest rows at the low fraction."""
     import torch
 
-    from cosybatch.cosyvoice.flow import FlowInput
-    from cosybatch.cosyvoice.llm import LMRequest
+    from cosybatch.cosyvoice.flow.cfm import FlowInput
+    from cosybatch.cosyvoice.lm.pool import LMRequest
 
     n_text = cfg["long_tokens"]
     gen = torch.Generator().manual_seed(cfg["seed"])

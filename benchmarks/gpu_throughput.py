@@ -51,7 +51,8 @@ def graph_check(model: Path, device: str) -> dict:
 
     import torch
 
-    from cosybatch.cosyvoice.llm import LMRequest, Sampling, load_llm
+    from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+    from cosybatch.cosyvoice.lm.v2 import load_llm
 
     if device == "cpu":
         torch.set_num_threads(1)  # a dry run beside other work: more threads than free cores crawl

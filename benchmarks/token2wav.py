@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import upstream  # noqa: E402
 
-from cosybatch.cosyvoice.flow import FlowInput  # noqa: E402
+from cosybatch.cosyvoice.flow.cfm import FlowInput  # noqa: E402
+from cosybatch.cosyvoice.pipeline import Token2Wav  # noqa: E402
 from cosybatch.cosyvoice.tiny import write_model_dir  # noqa: E402
-from cosybatch.cosyvoice.token2wav import Token2Wav  # noqa: E402
 
 
 def make_items(n: int, seed: int) -> list[FlowInput]:

@@ -62,23 +62,24 @@ def cosyvoice_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def cosyvoice_v1_dir(tmp_path_factory) -> Path:
     """A tiny CosyVoice-300M-SFT folder in the official layout (speakers in spk2info.pt), random weights."""
-    from cosybatch.cosyvoice.tiny_v1 import write_model_dir
+    from cosybatch.cosyvoice.tiny import write_model_dir
 
-    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1") / "CosyVoice-300M-SFT-tiny", variant="sft")
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1") / "CosyVoice-300M-SFT-tiny", family="v1",
+                           variant="sft")
 
 
 @pytest.fixture(scope="session")
 def cosyvoice_v1_instruct_dir(tmp_path_factory) -> Path:
     """A tiny CosyVoice-300M-Instruct folder (its folder name is what says it follows instructions)."""
-    from cosybatch.cosyvoice.tiny_v1 import write_model_dir
+    from cosybatch.cosyvoice.tiny import write_model_dir
 
-    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1i") / "CosyVoice-300M-Instruct-tiny",
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1i") / "CosyVoice-300M-Instruct-tiny", family="v1",
                            variant="instruct")
 
 
 @pytest.fixture(scope="session")
 def cosyvoice_v3_dir(tmp_path_factory) -> Path:
     """A tiny Fun-CosyVoice3-0.5B folder in the official layout, random weights."""
-    from cosybatch.cosyvoice.tiny_v3 import write_model_dir_v3
+    from cosybatch.cosyvoice.tiny import write_model_dir
 
-    return write_model_dir_v3(tmp_path_factory.mktemp("cosyvoice-v3") / "Fun-CosyVoice3-0.5B-tiny")
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v3") / "Fun-CosyVoice3-0.5B-tiny", family="v3")

@@ -167,7 +167,7 @@ BAD_SPK2INFO = [write_reduce, write_custom, write_garbage, write_empty, write_no
 
 @pytest.mark.parametrize("write", BAD_SPK2INFO, ids=lambda f: f.__name__)
 def test_bad_spk2info_is_a_usage_error(model_copy, write, capsys):
-    from cosybatch.cosyvoice.features import VoiceBank
+    from cosybatch.cosyvoice.frontend.features import VoiceBank
     from cosybatch.engines.cosyvoice import check_setup
 
     path = model_copy / "spk2info.pt"
@@ -192,7 +192,7 @@ def test_bad_spk2info_via_cli(model_copy, corpus, write):
 @pytest.mark.parametrize("name", ["flow.pt", "hift.pt", "llm.pt"])
 def test_non_weights_only_model_checkpoints_are_model_dir_errors(model_copy, name):
     """Already clean before the spk2info fix: pinned so it stays that way."""
-    from cosybatch.cosyvoice.model import ModelDirError, load_state
+    from cosybatch.cosyvoice.weights import ModelDirError, load_state
 
     path = model_copy / name
     write_reduce(path)

@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from cosybatch.cosyvoice import tiny_assets
+from cosybatch.cosyvoice.tiny import assets as tiny_assets
 
 BLANK_EN_FILES = {
     "config.json",

@@ -179,7 +179,7 @@ def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus
     greedily; KEY.json says which settings made the audio."""
     import torch
 
-    from cosybatch.cosyvoice.llm import LMRequest, Sampling
+    from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
 
     model = tmp_path / "model"
     model.mkdir()
@@ -207,7 +207,7 @@ def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus
 
 
 def test_stage_batches_follow_real_lengths_and_the_cost_budget():
-    from cosybatch.engines.cosyvoice import FLOW_QUADRATIC_FRAMES, flow_cost, stage_batches
+    from cosybatch.cosyvoice.pipeline import FLOW_QUADRATIC_FRAMES, flow_cost, stage_batches
 
     cost = {0: 100, 1: 90, 2: 80, 3: 50, 4: 40, 5: 10}
     assert stage_batches([0, 1, 2, 3, 4, 5], cost, 2) == [[0, 1], [2, 3], [4, 5]]
@@ -224,8 +224,8 @@ def test_half_precision_flow_is_finite_and_close_to_fp32(cosyvoice_dir, precisio
     of fp32 on every item's mel."""
     import torch
 
-    from cosybatch.cosyvoice.flow import FlowInput
-    from cosybatch.cosyvoice.token2wav import Token2Wav
+    from cosybatch.cosyvoice.flow.cfm import FlowInput
+    from cosybatch.cosyvoice.pipeline import Token2Wav
 
     items = [FlowInput(torch.arange(40) % 6561, torch.randn(192, generator=torch.Generator().manual_seed(1))),
              FlowInput(torch.arange(15) % 6561, torch.randn(192, generator=torch.Generator().manual_seed(2)))]
@@ -242,7 +242,7 @@ def test_half_precision_flow_is_finite_and_close_to_fp32(cosyvoice_dir, precisio
 def test_an_out_of_memory_stage_chunk_is_split_and_keeps_its_order():
     import torch
 
-    from cosybatch.engines.cosyvoice import split_on_oom
+    from cosybatch.cosyvoice.pipeline import split_on_oom
 
     calls = []
 

@@ -13,8 +13,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosybatch.cosyvoice import features
-from cosybatch.cosyvoice.features import (
+from cosybatch.cosyvoice.frontend import features
+from cosybatch.cosyvoice.frontend.features import (
     MelSettings,
     PromptError,
     Voice,

@@ -10,9 +10,10 @@ import pytest
 import torch
 import upstream
 
-from cosybatch.cosyvoice.flow import FlowInput
-from cosybatch.cosyvoice.model import ModelDirError, load_flow, read_config
-from cosybatch.cosyvoice.token2wav import Token2Wav
+from cosybatch.cosyvoice.flow.cfm import FlowInput
+from cosybatch.cosyvoice.model import load_flow, read_config
+from cosybatch.cosyvoice.pipeline import Token2Wav
+from cosybatch.cosyvoice.weights import ModelDirError
 from cosybatch.cosyvoice.yamlconf import Call, load_yaml
 
 # (tokens, prompt tokens): with and without a zero-shot prompt, lengths far apart.

@@ -18,10 +18,10 @@ import torch
 from conftest import write_parquet
 from helpers import read_output
 
-from cosybatch.cosyvoice import flow_onnx
-from cosybatch.cosyvoice.flow import FlowInput
-from cosybatch.cosyvoice.flow_onnx import FlowBackendError
-from cosybatch.cosyvoice.token2wav import Token2Wav
+from cosybatch.cosyvoice.flow import onnx as flow_onnx
+from cosybatch.cosyvoice.flow.cfm import FlowInput
+from cosybatch.cosyvoice.flow.onnx import FlowBackendError
+from cosybatch.cosyvoice.pipeline import Token2Wav
 from cosybatch.engines import EngineOptions, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions, check_flow_backend
 from cosybatch.errors import UsageError

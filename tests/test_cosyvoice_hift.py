@@ -11,7 +11,7 @@ import pytest
 import torch
 import upstream
 
-from cosybatch.cosyvoice.hift import HiFT, load_hift_state
+from cosybatch.cosyvoice.hift.generator import HiFT, load_hift_state
 
 WIDTH = 32
 HOP = 480  # samples per mel frame: 8 * 5 * 3 * hop_len 4

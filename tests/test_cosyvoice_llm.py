@@ -9,8 +9,9 @@ import pytest
 import torch
 import upstream
 
-from cosybatch.cosyvoice.llm import LMRequest, Sampling, load_llm, sample
-from cosybatch.cosyvoice.model import ModelDirError
+from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling, sample
+from cosybatch.cosyvoice.lm.v2 import load_llm
+from cosybatch.cosyvoice.weights import ModelDirError
 
 GREEDY = Sampling(greedy=True)
 
@@ -229,7 +230,7 @@ def _on_meta(pool):
 
 
 def test_decode_step_never_reads_a_value_back_to_the_host(cosyvoice_dir):
-    from cosybatch.cosyvoice.llm import SlotPool
+    from cosybatch.cosyvoice.lm.pool import SlotPool
 
     lm = load_llm(cosyvoice_dir)
     with torch.inference_mode():
@@ -259,7 +260,7 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _step_ops(lm, n: int, weights=()) -> _OpLog:
-    from cosybatch.cosyvoice.llm import SlotPool
+    from cosybatch.cosyvoice.lm.pool import SlotPool
 
     with torch.inference_mode():
         pool = SlotPool(lm, 8, 256, 256, Sampling())

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cosybatch.cosyvoice import text as frontend_text
-from cosybatch.cosyvoice.text import (
+from cosybatch.cosyvoice.frontend import text as frontend_text
+from cosybatch.cosyvoice.frontend.text import (
     UPSTREAM_EXTRA_SPECIALS,
     QwenTextTokenizer,
     frontend,

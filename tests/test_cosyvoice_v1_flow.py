@@ -10,11 +10,13 @@ import pytest
 import torch
 import upstream
 
-from cosybatch.cosyvoice import tiny_v1
-from cosybatch.cosyvoice.flow import FlowInput
-from cosybatch.cosyvoice.flow_v1 import MaskedDiffWithXvec, build_flow_v1, mel_frames
-from cosybatch.cosyvoice.hift import HiFT, load_hift_state
-from cosybatch.cosyvoice.model import ModelDirError, load_flow, load_hift, load_state, load_strict, read_config
+from cosybatch.cosyvoice.flow.cfm import FlowInput
+from cosybatch.cosyvoice.flow.v1 import MaskedDiffWithXvec, build_flow_v1, mel_frames
+from cosybatch.cosyvoice.hift.generator import HiFT, load_hift_state
+from cosybatch.cosyvoice.model import load_flow, load_hift, read_config
+from cosybatch.cosyvoice.tiny import v1 as tiny_v1
+from cosybatch.cosyvoice.tiny.__main__ import main as tiny_main
+from cosybatch.cosyvoice.weights import ModelDirError, load_state, load_strict
 from cosybatch.cosyvoice.yamlconf import Call, load_yaml
 
 # (tokens, prompt tokens): with and without a zero-shot prompt; below and above the 40 tokens where
@@ -249,7 +251,7 @@ def test_speech_tokenizer_v1_onnx(v1_dir):
 
 def test_cli_writes_a_folder(tmp_path, capsys):
     out = tmp_path / "CosyVoice-300M-Instruct"
-    tiny_v1.main([str(out), "--variant", "instruct", "--seed", "1"])
+    tiny_main([str(out), "--family", "v1", "--variant", "instruct", "--seed", "1"])
     assert capsys.readouterr().out.strip() == str(out)
     assert (out / "spk2info.pt").is_file() and (out / "llm.pt").is_file()
     assert read_config(out).family.version == 1

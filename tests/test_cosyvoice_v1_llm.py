@@ -15,10 +15,10 @@ import pytest
 import torch
 import upstream
 
-from cosybatch.cosyvoice.llm import LMRequest, Sampling
-from cosybatch.cosyvoice.llm_v1 import build_llm_v1, load_llm_v1
-from cosybatch.cosyvoice.model import ModelDirError
-from cosybatch.cosyvoice.text_v1 import WhisperTextTokenizer, whisper_vocab_path
+from cosybatch.cosyvoice.frontend.whisper import WhisperTextTokenizer, whisper_vocab_path
+from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+from cosybatch.cosyvoice.lm.v1 import build_llm_v1, load_llm_v1
+from cosybatch.cosyvoice.weights import ModelDirError
 from cosybatch.cosyvoice.yamlconf import load_yaml
 
 torch.set_num_threads(1)

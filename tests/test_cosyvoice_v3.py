@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosybatch.cosyvoice.llm import LMRequest, Sampling
-from cosybatch.cosyvoice.llm_v3 import (
+from cosybatch.cosyvoice.frontend.text import V3_SPECIALS
+from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+from cosybatch.cosyvoice.lm.v3 import (
     ENDOFPROMPT_ID,
     SILENT_TOKENS,
     MissingEndOfPrompt,
@@ -22,9 +23,8 @@ from cosybatch.cosyvoice.llm_v3 import (
     drop_long_silences,
     load_llm_v3,
 )
-from cosybatch.cosyvoice.model import ModelDirError
-from cosybatch.cosyvoice.text import V3_SPECIALS
-from cosybatch.cosyvoice.tiny_v3 import folder_digests, write_model_dir_v3
+from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir_v3
+from cosybatch.cosyvoice.weights import ModelDirError
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v3"
 RERUN = "rerun tests/golden/make_v3_golden.py (see its docstring) if the change is intended"

@@ -2,7 +2,7 @@
 
 The fixtures (``tests/golden/v3/flow_hift.pt``, README there) were recorded by
 ``tests/golden/make_v3_golden.py`` from upstream's own classes on the tiny v3 folder that
-:func:`cosybatch.cosyvoice.tiny_v3.write_model_dir_v3` writes with seed 0; the test writes the same
+:func:`cosybatch.cosyvoice.tiny.v3.write_model_dir_v3` writes with seed 0; the test writes the same
 folder (flow and HiFT only) and checks its weights are the ones recorded against.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosybatch.cosyvoice.flow import FlowInput
-from cosybatch.cosyvoice.flow_v3 import build_flow_v3, fixed_noise, load_flow_v3
-from cosybatch.cosyvoice.hift_v3 import (
+from cosybatch.cosyvoice.flow.cfm import FlowInput
+from cosybatch.cosyvoice.flow.v3 import build_flow_v3, fixed_noise, load_flow_v3
+from cosybatch.cosyvoice.hift.causal import (
     TABLE_SAMPLES,
     SourceTables,
     build_hift_v3,
@@ -24,8 +24,8 @@ from cosybatch.cosyvoice.hift_v3 import (
     table_draws,
     upstream_keys,
 )
-from cosybatch.cosyvoice.model import ModelDirError
-from cosybatch.cosyvoice.tiny_v3 import folder_digests, write_model_dir_v3
+from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir_v3
+from cosybatch.cosyvoice.weights import ModelDirError
 from cosybatch.cosyvoice.yamlconf import load_yaml
 
 GOLDEN = Path(__file__).parent / "golden" / "v3"
@@ -237,7 +237,7 @@ def test_hift_batch_matches_single_items_and_ignores_padding(hift, golden):
 
 def test_token2wav_reproduces_upstreams_waveform(folder, golden):
     """The flow then the vocoder through Token2Wav: upstream's flow output, vocoded by upstream, per item."""
-    from cosybatch.cosyvoice.token2wav import Token2Wav
+    from cosybatch.cosyvoice.pipeline import Token2Wav
 
     t2w = Token2Wav(folder)
     audio = t2w(_items(golden), seeds=[0, 1])

@@ -154,8 +154,8 @@ def test_a_describe_that_returns_none_names_the_engine():
 
 def test_run_check_reports_a_broken_check_clearly(tmp_path):
     """Through the job's own `run --check` path (in process: the engine is registered here only)."""
-    from cosybatch.run import job
     from cosybatch.config import RunConfig
+    from cosybatch.run import job
 
     class NoneCheck(Fake):
         name = "nonecheck"

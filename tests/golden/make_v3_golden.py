@@ -1,7 +1,7 @@
 """Record upstream Fun-CosyVoice3's outputs on a tiny v3 folder: the fixtures in ``tests/golden/v3/``.
 
 The tests compare our v3 modules against these files without upstream installed. This script
-writes a tiny folder with our writer (:mod:`cosybatch.cosyvoice.tiny_v3`, fixed seed), builds
+writes a tiny folder with our writer (:mod:`cosybatch.cosyvoice.tiny.v3`, fixed seed), builds
 upstream's own classes from its ``cosyvoice3.yaml`` with hyperpyyaml and loads ``llm.pt``,
 ``flow.pt`` and ``hift.pt`` into them strictly (as upstream's ``CosyVoice3`` does: that proves the
 layout), then records what each stage gives for fixed inputs. ``tests/golden/v3/README.md`` says
@@ -46,7 +46,7 @@ OUT = HERE / "v3"
 SEED = 0  # the tiny folder's seed
 sys.path.insert(0, str(REPO))
 
-from cosybatch.cosyvoice.tiny_v3 import folder_digests, write_model_dir_v3  # noqa: E402
+from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir_v3  # noqa: E402
 
 SYSTEM = "You are a helpful assistant.<|endofprompt|>"
 

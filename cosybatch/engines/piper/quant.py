@@ -30,8 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...cache import cache_root, cached_file
-from ...cache import file_sha256
+from ...cache import cache_root, cached_file, file_sha256
 from ...errors import UsageError
 from .graph import convs_as_2d
 from .phonemes import MAX_PIECE_IDS, Phonemizer

@@ -1,159 +1,33 @@
-"""CosyVoice2's speech-token language model, decoding many utterances at once.
+"""The speech-token LMs' shared decoding: requests, sampling and the slot pool.
 
-Architecture after upstream's ``Qwen2LM`` (FunAudioLLM/CosyVoice, Apache-2.0): a Qwen2 decoder
-(Qwen2.5-0.5B in CosyVoice2-0.5B) reads ``[sos, prompt text + text, task id, prompt speech tokens]``
-as embeddings and predicts speech tokens (6561 ids, then 3 control ids: the first stops) through
-its own head, ``llm_decoder``. The Qwen2 blocks are our own small torch implementation (RMSNorm,
-rotary positions, grouped-query attention, SwiGLU), so no transformers version can change them.
-
-Upstream decodes one utterance at a time and samples in Python from the global random generator.
-Here utterances decode in a :class:`SlotPool`: continuous batching over a static KV cache, a
-decode step of fixed shapes that never waits on the host, one read back every few steps, CUDA
-graphs on CUDA. Each row stops on its own (stop token, or 20x its text tokens; the stop token is
-refused before 2x), and repetition-aware sampling (the yaml's ``ras_sampling`` settings) runs for
-all rows at once on uniforms drawn ahead from each row's own seed, so a row's tokens depend on its
-seed, not on its neighbours, the pool size or when it was admitted.
+Every family's LM (:mod:`.v1` CosyVoice-300M's transformer, :mod:`.v2` and :mod:`.v3` the Qwen2
+ones of CosyVoice2 and 3) is a :class:`DecoderLM` and decodes here. Upstream decodes one utterance
+at a time and samples in Python from the global random generator. Here utterances decode in a
+:class:`SlotPool`: continuous batching over a static KV cache, a decode step of fixed shapes that
+never waits on the host, one read back every few steps, CUDA graphs on CUDA. Each row stops on its
+own (stop token, or 20x its text tokens; the stop token is refused before 2x), and
+repetition-aware sampling (the yaml's ``ras_sampling`` settings) runs for all rows at once on
+uniforms drawn ahead from each row's own seed, so a row's tokens depend on its seed, not on its
+neighbours, the pool size or when it was admitted.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .yamlconf import Call
+from ..yamlconf import Call
 
 log = logging.getLogger(__name__)
 
 SPEECH_TOKENS = 6561
-SOS, TASK_ID = 0, 1  # rows of llm_embedding
-
-
-@dataclass(frozen=True)
-class Qwen2Config:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-
-    @classmethod
-    def from_dir(cls, folder: str | Path) -> Qwen2Config:
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read the Qwen2 config ({exc})") from None
-        if raw.get("model_type", "qwen2") != "qwen2":
-            raise ValueError(f"{path}: model_type {raw.get('model_type')!r}; only qwen2 is supported")
-        names = [f for f in cls.__dataclass_fields__]
-        missing = [n for n in names[:6] if n not in raw]
-        if missing:
-            raise ValueError(f"{path}: missing {', '.join(missing)}")
-        return cls(**{n: raw[n] for n in names if n in raw})
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.size(-1) // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-class Qwen2Attention(nn.Module):
-    def __init__(self, c: Qwen2Config):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Cache, layer: int, mask: Tensor) -> Tensor:
-        """x: (B, T, H) new positions; the cache stores them and returns every key the rows see;
-        mask: (B or 1, 1, T, keys) bool."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k, v = cache.update(layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class Qwen2MLP(nn.Module):
-    def __init__(self, c: Qwen2Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Qwen2Layer(nn.Module):
-    def __init__(self, c: Qwen2Config):
-        super().__init__()
-        self.self_attn = Qwen2Attention(c)
-        self.mlp = Qwen2MLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Cache, layer: int, mask: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Qwen2Model(nn.Module):
-    def __init__(self, c: Qwen2Config):
-        super().__init__()
-        self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Qwen2Layer(c) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, x: Tensor, positions: Tensor, cache: Cache, mask: Tensor) -> Tensor:
-        """x: (B, T, H) embeddings at ``positions`` (B or 1, T); returns the final hidden states.
-
-        Rotary angles are computed in fp32 and cast to the compute dtype, as upstream does."""
-        freqs = positions[:, :, None].float() * self.inv_freq.float()[None, None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
-        return self.norm(x)
 
 
 class Cache:
@@ -161,20 +35,6 @@ class Cache:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return k, v
-
-
-class _CausalLM(nn.Module):
-    """Holds the Qwen2 model under upstream's attribute path ``llm.model.model``."""
-
-    def __init__(self, c: Qwen2Config):
-        super().__init__()
-        self.model = Qwen2Model(c)
-
-
-class _Encoder(nn.Module):
-    def __init__(self, c: Qwen2Config):
-        super().__init__()
-        self.model = _CausalLM(c)
 
 
 # Decode steps between two looks at which rows stopped: the one host sync of the loop. A row that
@@ -358,61 +218,6 @@ class DecoderLM(nn.Module):
         return out, stats
 
 
-
-
-class Qwen2SpeechLM(DecoderLM):
-    """A Qwen2 decoder under upstream's attribute path ``llm.model.model`` as the LM body; what
-    CosyVoice2's and CosyVoice3's LMs share. Subclasses add their speech embedding and head."""
-
-    def __init__(self, config: Qwen2Config, speech_token_size: int = SPEECH_TOKENS):
-        super().__init__()
-        self.config = config
-        self.speech_token_size = speech_token_size
-        self.llm = _Encoder(config)
-
-    @property
-    def qwen(self) -> Qwen2Model:
-        return self.llm.model.model
-
-    @property
-    def kv_layout(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    def body(self, x: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
-        return self.qwen(x, positions, cache, mask)
-
-    def to_precision(self, dtype: torch.dtype) -> Qwen2SpeechLM:
-        """Convert every weight to ``dtype`` once (the rotary frequencies stay fp32)."""
-        inv_freq = self.qwen.inv_freq
-        self._pool = None  # its CUDA graphs point at the old weights
-        self.to(dtype=dtype)
-        self.qwen.inv_freq = inv_freq
-        return self
-
-
-class SpeechLM(Qwen2SpeechLM):
-    """Upstream's Qwen2LM parameters (``llm.model.model.*``, ``llm_embedding``, ``llm_decoder``,
-    ``speech_embedding``) and batched generation."""
-
-    def __init__(self, config: Qwen2Config, speech_token_size: int = SPEECH_TOKENS):
-        super().__init__(config, speech_token_size)
-        h = config.hidden_size
-        self.llm_embedding = nn.Embedding(2, h)
-        self.llm_decoder = nn.Linear(h, speech_token_size + 3)
-        self.speech_embedding = nn.Embedding(speech_token_size + 3, h)
-
-    def prompt_embeddings(self, req: LMRequest, device: torch.device) -> Tensor:
-        text = torch.tensor([*req.prompt_text, *req.text], dtype=torch.long, device=device)
-        speech = torch.tensor(list(req.prompt_speech), dtype=torch.long, device=device)
-        w = self.llm_embedding.weight
-        return torch.cat(
-            [w[SOS][None], self.qwen.embed_tokens(text), w[TASK_ID][None], self.speech_embedding(speech)], dim=0
-        )
 
 
 def _round_up(value: int, step: int) -> int:
@@ -768,24 +573,3 @@ def pick(weights: Tensor, u: Tensor) -> Tensor:
     target = u.double()[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True)[:, 0]
     return index.clamp(max=weights.size(-1) - 1)
-
-
-def load_llm(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> SpeechLM:
-    """Build the LM from ``CosyVoice-BlankEN/config.json`` and load ``llm.pt`` strictly, with its
-    weights converted once to ``dtype``.
-
-    The Qwen2 text head (``llm.model.lm_head.weight``) is unused for speech and is not loaded.
-    """
-    from .model import ModelDirError, load_state, load_strict
-
-    model_dir = Path(model_dir)
-    try:
-        config = Qwen2Config.from_dir(model_dir / "CosyVoice-BlankEN")
-    except ValueError as exc:
-        raise ModelDirError(str(exc)) from None
-    lm = SpeechLM(config)
-    path = model_dir / "llm.pt"
-    state = load_state(path)
-    state.pop("llm.model.lm_head.weight", None)
-    load_strict(lm, state, path)
-    return lm.to(device).to_precision(dtype).eval()

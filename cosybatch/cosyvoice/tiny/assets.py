@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .text import QWEN2_SPLIT_PATTERN
-from .text import UPSTREAM_EXTRA_SPECIALS as _UPSTREAM_SPECIALS
+from ..frontend.text import QWEN2_SPLIT_PATTERN
+from ..frontend.text import UPSTREAM_EXTRA_SPECIALS as _UPSTREAM_SPECIALS
 
 OPSET = 17
 SPEAKER_DIM = 192  # campplus embedding size
@@ -33,7 +33,9 @@ QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 UPSTREAM_EXTRA_SPECIALS = tuple(t for t in _UPSTREAM_SPECIALS if t not in QWEN_SPECIALS)
 QWEN_SPLIT_PATTERN = QWEN2_SPLIT_PATTERN
 
-_SENTENCES = Path(__file__).resolve().parents[2] / "examples" / "sentences.txt"
+# The repository's examples/ (cosybatch/cosyvoice/tiny/assets.py -> 3 folders up): the BPE, and so
+# the tiny folders' token ids and the recorded golden digests, depend on finding this file.
+_SENTENCES = Path(__file__).resolve().parents[3] / "examples" / "sentences.txt"
 
 # Extra training text for the tiny BPE: digits, punctuation, contractions and less common words.
 _EXTRA_TEXT = """\

@@ -29,17 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .flow import (
-    CausalConditionalCFM,
-    ConformerLayer,
-    FlowInput,
-    LinearEmbed,
-    TimestepMLP,
-    TransformerBlock,
-    length_mask,
-    timestep_features,
-)
-from .yamlconf import Call, expect
+from ..yamlconf import Call, expect
+from .cfm import CausalConditionalCFM, FlowInput, TimestepMLP, TransformerBlock, length_mask, timestep_features
+from .conformer import ConformerLayer, LinearEmbed
 
 __all__ = ["NOISE_SEED", "ConditionalDecoder", "ConformerEncoder", "FlowInput", "InterpolateRegulator",
            "MaskedDiffWithXvec", "MaskedGroupNorm", "build_flow_v1", "mel_frames"]

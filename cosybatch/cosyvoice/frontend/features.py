@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 SPEAKER_DIM = 192
 MAX_PROMPT_SECONDS = 30.0  # upstream's speech tokenizer refuses longer audio
@@ -61,7 +61,7 @@ class MelSettings:
 
     @classmethod
     def from_yaml(cls, raw: dict[str, Any], sample_rate: int) -> MelSettings:
-        from .yamlconf import Call
+        from ..yamlconf import Call
 
         node = raw.get("feat_extractor")
         if not isinstance(node, Call):

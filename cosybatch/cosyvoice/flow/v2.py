@@ -21,114 +21,19 @@ and every item's mel equals what the item gives alone:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .yamlconf import Call, expect
+from ..yamlconf import Call, expect
+from .cfm import CausalConditionalCFM, FlowInput, TimestepMLP, TransformerBlock, length_mask, timestep_features
+from .conformer import ConformerLayer, LinearEmbed
 
 # Upstream's decoder noise: torch.manual_seed(0); torch.randn(1, 80, 50 * 300).
 NOISE_SEED = 0
 NOISE_FRAMES = 50 * 300
-
-
-def length_mask(lengths: Tensor, size: int) -> Tensor:
-    """(B,) lengths -> (B, size) bool, True on real frames."""
-    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
-
-
-# --------------------------------------------------------------------------------------------
-# Encoder
-
-
-def relative_positions(size: int, dim: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """ESPnet-style relative sinusoidal table for distances size-1 ... -(size-1): (1, 2*size-1, dim).
-
-    Computed per distance exactly as upstream's cached table, so values do not depend on ``size``.
-    """
-    position = torch.arange(size, dtype=torch.float32)[:, None]
-    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim))
-    ahead = torch.zeros(size, dim)
-    behind = torch.zeros(size, dim)
-    ahead[:, 0::2] = torch.sin(position * freq)
-    ahead[:, 1::2] = torch.cos(position * freq)
-    behind[:, 0::2] = torch.sin(-1 * position * freq)
-    behind[:, 1::2] = torch.cos(-1 * position * freq)
-    table = torch.cat([ahead.flip(0), behind[1:]], dim=0)
-    return table[None].to(device=device, dtype=dtype)
-
-
-class LinearEmbed(nn.Module):
-    """Linear + LayerNorm, scaled by sqrt(dim) (upstream's LinearNoSubsampling + rel. pos. encoding)."""
-
-    def __init__(self, idim: int, odim: int):
-        super().__init__()
-        self.out = nn.Sequential(nn.Linear(idim, odim), nn.LayerNorm(odim, eps=1e-5))
-        self.scale = math.sqrt(odim)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        x = self.out(x) * self.scale
-        return x, relative_positions(x.size(1), x.size(2), x.device, x.dtype)
-
-
-class RelPositionAttention(nn.Module):
-    """Multi-head self-attention with Transformer-XL relative positions (biases u and v)."""
-
-    def __init__(self, heads: int, dim: int, key_bias: bool = True):
-        super().__init__()
-        self.h, self.d_k = heads, dim // heads
-        self.linear_q = nn.Linear(dim, dim)
-        self.linear_k = nn.Linear(dim, dim, bias=key_bias)
-        self.linear_v = nn.Linear(dim, dim)
-        self.linear_out = nn.Linear(dim, dim)
-        self.linear_pos = nn.Linear(dim, dim, bias=False)
-        self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.d_k))
-        self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.d_k))
-
-    def forward(self, x: Tensor, key_mask: Tensor, pos: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        q = self.linear_q(x).view(b, t, self.h, self.d_k)
-        k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
-        p = self.linear_pos(pos).view(1, -1, self.h, self.d_k).transpose(1, 2)
-        content = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
-        position = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
-        # Column j of row i holds distance i - j: table index (t - 1) - i + j.
-        index = (t - 1) - torch.arange(t, device=x.device)[:, None] + torch.arange(t, device=x.device)[None, :]
-        position = position.gather(-1, index.expand(b, self.h, t, t))
-        scores = (content + position) / math.sqrt(self.d_k)
-        hidden = key_mask[:, None, None, :].logical_not()
-        attn = torch.softmax(scores.masked_fill(hidden, -float("inf")), dim=-1).masked_fill(hidden, 0.0)
-        out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t, self.h * self.d_k)
-        return self.linear_out(out)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w_1 = nn.Linear(dim, hidden)
-        self.w_2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(F.silu(self.w_1(x)))
-
-
-class ConformerLayer(nn.Module):
-    """Pre-norm block: relative-position self-attention, then a feed-forward (no conv module)."""
-
-    def __init__(self, dim: int, heads: int, hidden: int, key_bias: bool = True):
-        super().__init__()
-        self.self_attn = RelPositionAttention(heads, dim, key_bias)
-        self.feed_forward = FeedForward(dim, hidden)
-        self.norm_ff = nn.LayerNorm(dim, eps=1e-12)
-        self.norm_mha = nn.LayerNorm(dim, eps=1e-12)
-
-    def forward(self, x: Tensor, key_mask: Tensor, pos: Tensor) -> Tensor:
-        x = x + self.self_attn(self.norm_mha(x), key_mask, pos)
-        return x + self.feed_forward(self.norm_ff(x))
 
 
 class PreLookahead(nn.Module):
@@ -202,27 +107,6 @@ class UpsampleConformerEncoder(nn.Module):
         return self.after_norm(x), lengths
 
 
-# --------------------------------------------------------------------------------------------
-# Decoder (the flow-matching estimator)
-
-
-def timestep_features(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
-    half = dim // 2
-    freq = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
-    angle = scale * t[:, None] * freq[None, :]
-    return torch.cat([angle.sin(), angle.cos()], dim=-1)
-
-
-class TimestepMLP(nn.Module):
-    def __init__(self, in_channels: int, dim: int):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_channels, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
 class CausalConv1d(nn.Conv1d):
     """Conv1d padded on the left only, so no output frame reads a later input frame."""
 
@@ -263,56 +147,6 @@ class CausalResnetBlock(nn.Module):
     def forward(self, x: Tensor, mask: Tensor, t: Tensor) -> Tensor:
         h = self.block1(x, mask) + self.mlp(t)[:, :, None]
         return self.block2(h, mask) + self.res_conv(x * mask)
-
-
-class Attention(nn.Module):
-    """Bias-free multi-head self-attention with an output projection (diffusers' layout)."""
-
-    def __init__(self, dim: int, heads: int, head_dim: int):
-        super().__init__()
-        inner = heads * head_dim
-        self.heads = heads
-        self.to_q = nn.Linear(dim, inner, bias=False)
-        self.to_k = nn.Linear(dim, inner, bias=False)
-        self.to_v = nn.Linear(dim, inner, bias=False)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
-
-
-class GeluProj(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.proj = nn.Linear(dim, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x))
-
-
-class TransformerFF(nn.Module):
-    def __init__(self, dim: int, mult: int = 4):
-        super().__init__()
-        self.net = nn.ModuleList([GeluProj(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net[2](self.net[0](x))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, head_dim: int):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn1 = Attention(dim, heads, head_dim)
-        self.norm3 = nn.LayerNorm(dim)
-        self.ff = TransformerFF(dim)
-
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x), bias)
-        return x + self.ff(self.norm3(x))
 
 
 class CausalConditionalDecoder(nn.Module):
@@ -383,60 +217,6 @@ class CausalConditionalDecoder(nn.Module):
         return self.final_proj(h * mask) * mask
 
 
-class CausalConditionalCFM(nn.Module):
-    """Euler solver for the conditional flow, with classifier-free guidance."""
-
-    def __init__(
-        self, estimator: CausalConditionalDecoder, t_scheduler: str = "cosine", inference_cfg_rate: float = 0.7
-    ):
-        super().__init__()
-        if t_scheduler not in ("cosine", "linear"):
-            raise ValueError(f"t_scheduler {t_scheduler!r} is not supported")
-        self.estimator = estimator
-        # Called in place of the estimator when set (same arguments): an ONNX Runtime session, see flow_onnx.
-        self.runner: Callable[..., Tensor] | None = None
-        self.t_scheduler = t_scheduler
-        self.inference_cfg_rate = inference_cfg_rate
-
-    def forward(self, z: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int) -> Tensor:
-        # The solver's state and time stay fp32 whatever the estimator's dtype: ten Euler steps
-        # accumulate, and the state is small (80 x frames).
-        t_span = torch.linspace(0, 1, n_timesteps + 1, device=mu.device, dtype=torch.float32)
-        if self.t_scheduler == "cosine":
-            t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-        b, dtype = mu.size(0), mu.dtype
-        # The guided and the unconditioned pass run as one batch of 2B.
-        mask_in = torch.cat([mask, mask])
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])
-        spks_in = torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        x, t, dt = z.float(), t_span[0], t_span[1] - t_span[0]
-        estimator = self.runner or self.estimator
-        for step in range(1, n_timesteps + 1):
-            x_in = torch.cat([x, x]).to(dtype)
-            velocity = estimator(x_in, mask_in, mu_in, t.expand(2 * b), spks_in, cond_in).float()
-            guided, free = velocity[:b], velocity[b:]
-            x = x + dt * ((1.0 + self.inference_cfg_rate) * guided - self.inference_cfg_rate * free)
-            t = t + dt
-            if step < n_timesteps:
-                dt = t_span[step + 1] - t
-        return x.float()
-
-
-# --------------------------------------------------------------------------------------------
-# The whole flow
-
-
-@dataclass
-class FlowInput:
-    """One utterance for the flow: speech tokens and the voice to speak them in."""
-
-    tokens: Tensor  # (T,) speech token ids
-    embedding: Tensor  # (192,) speaker embedding (campplus x-vector)
-    prompt_tokens: Tensor | None = None  # (P,) tokens of the prompt audio (zero-shot), else None
-    prompt_mel: Tensor | None = None  # (F, 80) mel of the prompt audio, normally F == 2 * P
-
-
 class CausalMaskedDiffWithXvec(nn.Module):
     def __init__(
         self,
@@ -477,8 +257,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
         return self._noise[:, :, :frames].to(device=device, dtype=dtype)
 
     @torch.inference_mode()
-    def inference(self, items: Sequence[FlowInput]) -> list[Tensor]:
-        """Mel spectrograms (80, token_mel_ratio * T) of each item, prompt frames removed."""
+    def inference(self, items: Sequence[FlowInput], seeds: Sequence[int] | None = None) -> list[Tensor]:
+        """Mel spectrograms (80, token_mel_ratio * T) of each item, prompt frames removed. ``seeds``
+        is unused (every item starts from upstream's fixed noise); every family's flow takes it."""
         device = self.input_embedding.weight.device
         dtype = self.spk_embed_affine_layer.weight.dtype
         empty_tokens = torch.zeros(0, dtype=torch.long)

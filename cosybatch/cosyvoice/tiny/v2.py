@@ -5,12 +5,11 @@ without the real model use a directory written by this module. The layout, file 
 names are those of the official ``CosyVoice2-0.5B`` download; only the sizes are small (``tiny``,
 the default) or the real ones (``real``), and the weights are random, so the speech is noise.
 
-    python -m cosybatch.cosyvoice.tiny OUT_DIR [--size tiny|real] [--seed N]
+    python -m cosybatch.cosyvoice.tiny --family v2 [--size tiny|real] [--seed N] OUT_DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -18,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .flow import build_flow
-from .hift import HiFT
-from .model import read_config
-from .tiny_assets import write_blank_en, write_campplus_onnx, write_speech_tokenizer_onnx
+from ..flow.v2 import build_flow
+from ..hift.generator import HiFT
+from ..model import read_config
+from .assets import write_blank_en, write_campplus_onnx, write_speech_tokenizer_onnx
+from .random_weights import randomise, weight_norm_state
 
 SPEECH_TOKENS = 6561
 
@@ -177,37 +177,6 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     center: False
 """
 
-# Convolutions that upstream wraps in weight norm; the official hift.pt stores them as weight_g/weight_v.
-_WEIGHT_NORMED = ("conv_pre.", "ups.", "resblocks.", "conv_post.", "f0_predictor.condnet.")
-
-
-def randomise(module: torch.nn.Module, gen: torch.Generator) -> None:
-    """Random weights at a sensible scale: 1/sqrt(fan-in) for matrices, small noise around norms."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() >= 2:
-                fan_in = math.prod(p.shape[1:]) if not name.startswith("ups.") else p.shape[0] * p.shape[2]
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
-            elif name.endswith("alpha") or ("norm" in name and name.endswith("weight")):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-
-
-def weight_norm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Store weight-normed convs as (weight_g, weight_v), the official hift.pt layout."""
-    out = {}
-    for key, value in state.items():
-        hift_key = key.removeprefix("source_")
-        if key.endswith(".weight") and value.dim() == 3 and hift_key.startswith(_WEIGHT_NORMED):
-            base = key[: -len("weight")]
-            out[base + "weight_g"] = value.norm(dim=(1, 2), keepdim=True)
-            out[base + "weight_v"] = value.clone()
-        else:
-            out[key] = value.clone()
-    return out
-
-
 def llm_state(s: Sizes, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Random weights under upstream Qwen2LM's key names (Qwen2ForCausalLM inside ``llm.model``)."""
     h, head_dim = s.llm_hidden, s.llm_hidden // s.llm_heads
@@ -285,16 +254,3 @@ def write_model_dir(
 
 def vocab_size_of(model_dir: Path) -> int:
     return int(json.loads((model_dir / "CosyVoice-BlankEN" / "config.json").read_text())["vocab_size"])
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(write_model_dir(args.out, args.size, args.seed))
-
-
-if __name__ == "__main__":
-    main()

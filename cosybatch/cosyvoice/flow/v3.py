@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .flow import CausalConditionalCFM, FlowInput, length_mask
-from .yamlconf import Call, expect
+from ..weights import load_state, load_strict
+from ..yamlconf import Call, expect
+from .cfm import CausalConditionalCFM, FlowInput, length_mask
 
 __all__ = [
     "CausalMaskedDiffWithDiT",
@@ -364,11 +365,13 @@ class CausalMaskedDiffWithDiT(nn.Module):
         return self._noise[:, :, :frames].to(device)
 
     @torch.inference_mode()
-    def inference(self, items: Sequence[FlowInput], streaming: bool = False) -> list[Tensor]:
+    def inference(self, items: Sequence[FlowInput], streaming: bool = False,
+                  seeds: Sequence[int] | None = None) -> list[Tensor]:
         """Mel spectrograms (80, token_mel_ratio * (P + T) - F) of each item, prompt frames removed.
 
         ``streaming`` runs the estimator's attention in upstream's chunks (its ``streaming=True``);
-        offline synthesis (upstream's non-stream mode) uses full attention.
+        offline synthesis (upstream's non-stream mode) uses full attention. ``seeds`` is unused
+        (upstream's fixed noise table); every family's flow takes it.
         """
         if not items:
             return []
@@ -475,10 +478,8 @@ def build_flow_v3(node: Call) -> CausalMaskedDiffWithDiT:
 def load_flow_v3(module: CausalMaskedDiffWithDiT, path: str | Path) -> CausalMaskedDiffWithDiT:
     """Load a v3 ``flow.pt`` into ``module`` with strict key and shape checks.
 
-    Raises :class:`~cosybatch.cosyvoice.model.ModelDirError` naming missing, unexpected or mis-shaped keys.
+    Raises :class:`~cosybatch.cosyvoice.weights.ModelDirError` naming missing, unexpected or mis-shaped keys.
     """
-    from .model import load_state, load_strict
-
     path = Path(path)
     load_strict(module, load_state(path), path)
     return module

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import flow
-from .llm import CHECK_EVERY, Cache, DecoderLM, LMRequest, Sampling, SlotPool
-from .yamlconf import Call, expect, load_yaml
+from ..flow import conformer
+from ..weights import ModelDirError, load_state, load_strict
+from ..yamlconf import Call, expect, load_yaml
+from .pool import CHECK_EVERY, Cache, DecoderLM, LMRequest, Sampling, SlotPool
 
 __all__ = ["SPEECH_TOKENS_V1", "YAML_NAME", "TransformerSpeechLM", "build_llm_v1", "load_llm_v1"]
 
@@ -52,7 +53,7 @@ def distance_table(size: int, dim: int) -> Tensor:
     return table
 
 
-class RelPositionAttention(flow.RelPositionAttention):
+class RelPositionAttention(conformer.RelPositionAttention):
     """Multi-head self-attention with Transformer-XL relative positions (ESPnet's ``rel_selfattn``).
 
     ``forward`` takes each query's absolute position and a projected distance table ``(heads, N,
@@ -402,8 +403,6 @@ def load_llm_v1(model_dir: str | Path, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> TransformerSpeechLM:
     """Build the LM from ``cosyvoice.yaml``, load ``llm.pt`` strictly (``weights_only``), convert
     its weights once to ``dtype``."""
-    from .model import ModelDirError, load_state, load_strict
-
     model_dir = Path(model_dir)
     path = model_dir / YAML_NAME
     if not path.is_file():

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
-from ..cache import file_fingerprint
-from ..errors import UsageError
-from ..plan import Unit
-from . import Engine, EngineOptions, MemoryPlan, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
-from .base import Alias
+from ...cache import file_fingerprint
+from ...errors import UsageError
+from ...plan import Unit
+from .. import Engine, EngineOptions, MemoryPlan, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
+from ..base import Alias
+from .setup import check_flow_backend, check_setup
 
 # GPU memory: what the pool leaves outside torch (cuDNN workspaces, the CUDA context's growth,
 # onnxruntime's speech tokenizer), and onnxruntime's own cap within it.
@@ -42,26 +41,10 @@ STAGE_DEFAULTS = {
     "cpu": {"lm_slots": 16, "window": 48, "flow_batch": 1, "hift_batch": 1},
     "cuda": {"lm_slots": 64, "window": 256, "flow_batch": 32, "hift_batch": 32},
 }
-# Flow cost of an item of L mel frames (prompt frames included), in units of frames:
-# L * (1 + L / FLOW_QUADRATIC_FRAMES). Convolutions and linear layers grow with L, the estimator's
-# self-attention with L^2; this is the length at which the two cost the same.
-FLOW_QUADRATIC_FRAMES = 2048
 # The longest prompt a decode slot is sized for up front: speech tokens of a 30 s prompt (times the
 # token rate), plus this many for its text, the segment and control ids; longer ones grow the pool.
 PROMPT_SECONDS_RESERVED = 30
 PROMPT_TEXT_RESERVED = 200
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One piece of a row for the LM: its text tokens, its voice, what of the voice the LM sees, its seed."""
-
-    text_tokens: tuple[int, ...]
-    voice: object  # cosyvoice.features.Voice
-    prompt_text_tokens: tuple[int, ...]  # the LM's prompt text: a zero-shot transcript or an instruction
-    seed: int
-    lm_speech: bool = False  # the LM reads the voice's prompt speech tokens (zero-shot)
-    lm_embedding: bool = True  # the LM reads the speaker embedding (CosyVoice-300M, not in instruct mode)
 
 
 @dataclass(frozen=True)
@@ -138,13 +121,14 @@ class CosyVoiceEngine(Engine):
     def __init__(self, voice: Optional[str], options: EngineOptions):
         import torch
 
-        from ..cosyvoice.features import PromptError, VoiceBank
-        from ..cosyvoice.flow_onnx import FlowBackendError
-        from ..cosyvoice.llm import Sampling
-        from ..cosyvoice.model import ModelDirError, load_lm, load_text_tokenizer, read_config
-        from ..cosyvoice.text import normalize
-        from ..cosyvoice.text_v1 import TokenizerNotInstalled
-        from ..cosyvoice.token2wav import PRECISIONS, Token2Wav
+        from ...cosyvoice.flow.onnx import FlowBackendError
+        from ...cosyvoice.frontend.features import PromptError, VoiceBank
+        from ...cosyvoice.frontend.text import normalize
+        from ...cosyvoice.frontend.whisper import TokenizerNotInstalled
+        from ...cosyvoice.lm.pool import Sampling
+        from ...cosyvoice.model import load_lm, load_text_tokenizer, read_config
+        from ...cosyvoice.pipeline import PRECISIONS, Pipeline, Token2Wav
+        from ...cosyvoice.weights import ModelDirError
 
         opts: CosyVoiceOptions = options.engine
         model, precision = opts.model, opts.precision
@@ -185,13 +169,16 @@ class CosyVoiceEngine(Engine):
             self.tokenizer = load_text_tokenizer(config)
             self.lm = load_lm(config, self.device, PRECISIONS[precision] or torch.float32)
             self.t2w = Token2Wav(config, self.device, precision, flow_backend=opts.flow_backend)
+            self.pipeline = Pipeline(self.lm, self.sampling, self.t2w, self.lm_slots, self.flow_batch,
+                                     self.hift_batch, self._tokens_per_text_token() * self.max_segment_tokens,
+                                     self.cuda_graphs)
         except FlowBackendError as exc:
             raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: {exc}") from None
         except (ModelDirError, OSError, ValueError, TokenizerNotInstalled) as exc:
             raise UsageError(f"--model {self.model_dir}: {exc}") from None
         providers = None
         if self.device == "cuda":
-            from .. import gpu
+            from ... import gpu
 
             # The speech tokenizer runs on onnxruntime's CUDA provider, outside torch's pool: it gets
             # a capped arena inside the headroom the pool leaves free.
@@ -199,10 +186,10 @@ class CosyVoiceEngine(Engine):
         self.voices = VoiceBank(self.model_dir, providers=providers, mel=config.mel,
                                 speech_tokenizer=self.family.speech_tokenizer, mel_per_token=config.token_mel_ratio)
         self._prompt_tokens: dict[tuple[str, Optional[str]], tuple[int, ...]] = {}
-        from ..corpus import clean_text
+        from ...corpus import clean_text
 
         self.default_instruct = clean_text(opts.instruct) or None if opts.instruct is not None else None
-        from ..cosyvoice.family import variant
+        from ...cosyvoice.family import variant
 
         self.variant = variant(self.model_dir, self.family)
         self.sample_rate = self.t2w.sample_rate
@@ -238,7 +225,7 @@ class CosyVoiceEngine(Engine):
         """Cap and pre-allocate torch's pool, then size the batch budget from a warm-up probe."""
         from dataclasses import asdict
 
-        from .. import gpu
+        from ... import gpu
 
         # The LM's KV cache is one fixed slot pool, allocated first: like the weights, it is outside
         # the reserved pool and outside what the probe measures.
@@ -255,9 +242,9 @@ class CosyVoiceEngine(Engine):
         The flow and the vocoder run on two synthetic segments of the longest planned length (their
         attention grows faster than linearly, so the longest is the costliest per unit). The LM's
         KV cache is not per unit: its slot pool is allocated before the probe."""
-        from .. import gpu
-        from ..cosyvoice.flow import FlowInput
-        from ..cosyvoice.llm import LMRequest
+        from ... import gpu
+        from ...cosyvoice.flow.cfm import FlowInput
+        from ...cosyvoice.lm.pool import LMRequest
 
         torch = self._torch
         rows, text_len = 2, self.max_segment_tokens
@@ -361,7 +348,7 @@ class CosyVoiceEngine(Engine):
         - CosyVoice3: its system prompt and <|endofprompt|> first, unless the text already holds
           <|endofprompt|> (upstream's examples write them into the text).
         Text holding a <|...|> tag is not normalised (upstream's rule)."""
-        from ..cosyvoice.family import ENDOFPROMPT, V1_ENDOFPROMPT
+        from ...cosyvoice.family import ENDOFPROMPT, V1_ENDOFPROMPT
 
         transcript = voice.prompt_text if voice is not None else ""
         key = (voice.key if voice is not None else "", instruct)
@@ -390,7 +377,8 @@ class CosyVoiceEngine(Engine):
 
     # -- text ---------------------------------------------------------------------------------
     def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None) -> Prepared:
-        from ..cosyvoice.text import frontend_segments
+        from ...cosyvoice.frontend.text import frontend_segments
+        from ...cosyvoice.pipeline import Segment
 
         chosen = self._voice(voice)
         instruct = voice.instruct if voice is not None and voice.instruct is not None else self.default_instruct
@@ -424,143 +412,7 @@ class CosyVoiceEngine(Engine):
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:
         """The LM decodes every segment in its slot pool; then the flow and the vocoder take the
         segments regrouped by the speech tokens the LM really made, longest first, each stage in
-        its own batch sizes."""
-        from ..cosyvoice.flow import FlowInput
-        from ..cosyvoice.llm import LMRequest
-
-        torch = self._torch
-        segs: list[Segment] = [u.payload for u in units]
-        requests = [
-            LMRequest(
-                text=s.text_tokens,
-                prompt_text=s.prompt_text_tokens,
-                prompt_speech=s.voice.prompt_tokens.tolist() if s.lm_speech else (),
-                seed=s.seed,
-                embedding=s.voice.embedding if s.lm_embedding else None,
-            )
-            for s in segs
-        ]
-        tokens, lm_stats = self.lm.decode(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
-        tokens = [self.lm.finish_tokens(t) for t in tokens]
-        items = [
-            FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
-            for s, t in zip(segs, tokens, strict=True)
-        ]
-        # Mel frames each item's flow computes: its prompt's and its own.
-        mel_frames = self.t2w.flow.mel_frames
-        frames = {i: mel_frames(len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
-                  for i, (s, t) in enumerate(zip(segs, tokens, strict=True)) if t}
-        audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
-        mels: dict[int, object] = {}
-        by_frames = sorted(frames, key=lambda i: -frames[i])
-        budget = self.flow_batch * flow_cost(mel_frames(self._tokens_per_text_token() * self.max_segment_tokens))
-        for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
-            for i, mel in zip(chunk, split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c],
-                                                                       [segs[i].seed for i in c])),
-                              strict=True):
-                mels[i] = mel
-        lengths = {i: mel.size(1) for i, mel in mels.items()}
-        for chunk in stage_batches(sorted(lengths, key=lambda i: -lengths[i]), lengths, self.hift_batch):
-            wavs = split_on_oom(chunk, lambda c: self.t2w.vocode([mels[i] for i in c], [segs[i].seed for i in c]))
-            for i, wav in zip(chunk, wavs, strict=True):
-                audio[i] = wav
+        its own batch sizes (see :mod:`cosybatch.cosyvoice.pipeline`)."""
+        audio, lm_stats = self.pipeline.synthesize([u.payload for u in units])
         # Padding statistics are the LM's: rows decoded (tokens made) against slot-steps computed.
         return Synthesised(audio, lm_stats.live_slot_steps, lm_stats.slot_steps)
-
-
-def check_flow_backend(backend: str, device: Optional[str], family=None) -> None:
-    """UsageError when ``backend`` cannot run ``family``'s flow (the ONNX export covers CosyVoice2's
-    estimator only) or cannot run on ``device`` (a missing provider or package; None: not checked)."""
-    if backend == "torch":
-        return
-    if family is not None and family.version != 2:
-        raise UsageError(f"--engine-opt flow_backend={backend}: the ONNX export covers CosyVoice2's flow "
-                         f"estimator only, not {family.name}'s; use torch")
-    if device is None:
-        return
-    from ..cosyvoice.flow_onnx import FlowBackendError, check_backend
-
-    try:
-        check_backend(backend, device)
-    except FlowBackendError as exc:
-        raise UsageError(f"--engine-opt flow_backend={backend}: {exc}") from None
-
-
-def split_on_oom(chunk: list[int], run) -> list:
-    """``run(chunk)``; on a GPU out-of-memory error, the chunk in halves (recursively), so the
-    tokens the LM made are kept. One item that does not fit alone raises, and fails its row."""
-    from ..gpu import is_oom
-
-    try:
-        return list(run(chunk))
-    except Exception as exc:
-        if not is_oom(exc) or len(chunk) == 1:
-            raise
-    half = len(chunk) // 2
-    return split_on_oom(chunk[:half], run) + split_on_oom(chunk[half:], run)
-
-
-def flow_cost(frames: int) -> float:
-    """The flow's cost of an item of ``frames`` mel frames: linear layers plus self-attention."""
-    return frames * (1 + frames / FLOW_QUADRATIC_FRAMES)
-
-
-def stage_batches(order: list[int], cost: dict[int, float], max_items: int,
-                  budget: Optional[float] = None) -> list[list[int]]:
-    """Consecutive chunks of ``order`` (longest first) of at most ``max_items``, each within
-    ``budget`` counted as padded cost (items x the cost of its first, longest item); an item over
-    the budget alone still gets a chunk of its own."""
-    chunks: list[list[int]] = []
-    for i in order:
-        if chunks and len(chunks[-1]) < max_items and (
-                budget is None or (len(chunks[-1]) + 1) * cost[chunks[-1][0]] <= budget):
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-    return chunks
-
-
-def check_setup(model: Path, speaker: Optional[str], prompt_wav: Optional[Path], prompt_text: Optional[str],
-                instruct: Optional[str] = None, flow_backend: str = "torch") -> dict:
-    """What ``run --check`` verifies without loading weights: which CosyVoice the folder holds, its
-    files and yaml, the default speaker, the default prompt audio."""
-    from ..cosyvoice.family import variant
-    from ..cosyvoice.features import PromptError, VoiceBank, load_audio
-    from ..cosyvoice.model import ModelDirError, read_config
-
-    try:
-        config = read_config(model)
-    except ModelDirError as exc:
-        raise UsageError(f"--model {model}: {exc}") from None
-    family = config.family
-    check_flow_backend(flow_backend, None, family)
-    missing = [name for name in family.files if not (Path(model) / name).is_file()]
-    if missing:
-        raise UsageError(f"--model {model}: missing {', '.join(missing)}; {family.yaml} says this is a "
-                         f"{family.name} folder, which holds them")
-    kind = variant(Path(model), family)
-    if family.text_tokenizer == "whisper":
-        from ..cosyvoice.text_v1 import TokenizerNotInstalled, whisper_vocab_path
-
-        try:
-            whisper_vocab_path()
-        except TokenizerNotInstalled as exc:
-            raise UsageError(f"--model {model}: {exc}") from None
-    if instruct is not None and family.instruct == "speaker" and "Instruct" not in kind:
-        raise UsageError(f"--instruct: this {kind} folder cannot follow instructions; use CosyVoice-300M-Instruct, "
-                         "CosyVoice2 or CosyVoice3")
-    bank = VoiceBank(model)  # reads spk2info.pt only; its ONNX sessions open on first use
-    if speaker is not None:
-        try:
-            bank.speaker(speaker)
-        except PromptError as exc:
-            raise UsageError(f"--speaker: {exc}") from None
-    prompt = None
-    if prompt_wav is not None:
-        try:
-            audio, rate = load_audio(prompt_wav)
-        except PromptError as exc:
-            raise UsageError(str(exc)) from None
-        prompt = {"path": str(prompt_wav), "seconds": round(len(audio) / rate, 3), "text": prompt_text}
-    return {"model": str(model), "family": kind, "version": family.version, "sample_rate": config.sample_rate,
-            "speakers": bank.speakers, "speaker": speaker, "prompt": prompt, "instruct": instruct}

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["HiFT", "HiFTF0Predictor", "load_hift_state"]
+from ..yamlconf import Call, expect
+
+__all__ = ["HiFT", "HiFTF0Predictor", "build_hift", "load_hift_state"]
 
 # Upstream picks the harmonic source by sampling rate: CosyVoice-300M's 22,050 Hz vocoder keeps the first
 # ``SineGen`` (phase integrated per sample), every other rate uses ``SineGen2`` (phase integrated per frame).
@@ -388,6 +391,11 @@ class HiFT(nn.Module):
         audio, samples = self(batch, lengths, generators)
         return [a[:n] for a, n in zip(audio, samples.tolist(), strict=True)]
 
+    def load_checkpoint(self, state: Mapping[str, Tensor], path: str | Path) -> HiFT:
+        """Load a ``hift.pt`` state (any weight-norm key style) strictly; the method every family's
+        vocoder offers (``path`` is for messages; ValueError names what does not match)."""
+        return load_hift_state(self, state)
+
 
 # -- checkpoint loading ------------------------------------------------------------------------------------
 
@@ -434,3 +442,13 @@ def load_hift_state(module: HiFT, state_dict: Mapping[str, Tensor]) -> HiFT:
         raise ValueError(f"HiFT state dict shapes do not match the model: {mismatched}")
     module.load_state_dict(state, strict=True)
     return module
+
+
+def build_hift(node: Call, flow: Call | None = None) -> HiFT:
+    """Construct the vocoder from the ``hift:`` section of cosyvoice.yaml or cosyvoice2.yaml (parsed,
+    never executed). ``flow`` is unused: the signature every family's vocoder builder shares."""
+    params = dict(node.kwargs)
+    f0 = params.get("f0_predictor")
+    if isinstance(f0, Call):
+        params["f0_predictor"] = expect(f0, "ConvRNNF0Predictor", where="hift.f0_predictor").kwargs
+    return HiFT(**params)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..cache import cache_root, cached_file, sha256_hex
+from ...cache import cache_root, cached_file, sha256_hex
 
 BACKENDS = ("torch", "onnx", "tensorrt")
 INPUT_NAMES = ("x", "mask", "mu", "t", "spks", "cond")
@@ -90,7 +90,7 @@ def providers(backend: str, device: torch.device | str, fp16: bool = False,
     device = torch.device(device)
     if device.type == "cpu":
         return ["CPUExecutionProvider"]
-    from ..gpu import ort_cuda_options
+    from ...gpu import ort_cuda_options
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     cuda = ("CUDAExecutionProvider", {"device_id": str(index), **ort_cuda_options(None)})
@@ -142,8 +142,9 @@ def export_key(flow_pt: Path, estimator_config: Any, dtype: torch.dtype) -> str:
         "format": FORMAT_VERSION,
         "flow_pt": sha256_hex(flow_pt),
         "estimator": estimator_config,
-        # The graph is traced from our modules: a change in them must not reuse an old export.
-        "code": {name: sha256_hex(here / name) for name in ("flow.py", "flow_onnx.py")},
+        # The graph is traced from our modules (CosyVoice2's estimator in v2.py, its blocks in cfm.py):
+        # a change in them must not reuse an old export.
+        "code": {name: sha256_hex(here / name) for name in ("cfm.py", "v2.py", "onnx.py")},
         "exporter": {"torch": torch.__version__, "onnxscript": onnxscript.__version__, "dynamo": True},
         "dtype": _DTYPE_NAMES[dtype],
     }

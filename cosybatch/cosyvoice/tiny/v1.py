@@ -1,31 +1,31 @@
 """Write a CosyVoice-300M (v1) model folder in the official layout with random weights.
 
-The v1 counterpart of :mod:`.tiny`: ``cosyvoice.yaml`` (the official layout, after upstream's
+The v1 counterpart of :mod:`.v2`: ``cosyvoice.yaml`` (the official layout, after upstream's
 ``examples/libritts/cosyvoice/conf/cosyvoice.yaml``), ``llm.pt``, ``flow.pt``, ``hift.pt``,
 ``campplus.onnx``, ``speech_tokenizer_v1.onnx``, ``configuration.json`` and, for the -SFT and
 -Instruct variants, ``spk2info.pt``. Sizes are small (``tiny``, the default) or the real ones
 (``real``); the weights are random, so the speech is noise. Same arguments, same bytes.
 
 The three releases share one yaml; which one a folder is, cosybatch reads from the folder's name
-(see :func:`.family.variant`), so name the folder ``...-SFT`` or ``...-Instruct`` to match.
+(see :func:`cosybatch.cosyvoice.family.variant`), so name the folder ``...-SFT`` or ``...-Instruct`` to match.
 
-    python -m cosybatch.cosyvoice.tiny_v1 OUT_DIR [--variant base|sft|instruct] [--size tiny|real] [--seed N]
+    python -m cosybatch.cosyvoice.tiny --family v1 [--variant base|sft|instruct] [--size tiny|real] [--seed N] OUT_DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .flow_v1 import build_flow_v1
-from .hift import HiFT
-from .tiny import randomise, weight_norm_state
-from .tiny_assets import write_campplus_onnx, write_speech_tokenizer_onnx
-from .yamlconf import Call, expect, load_yaml
+from ..flow.v1 import build_flow_v1
+from ..hift.generator import HiFT
+from ..lm.v1 import build_llm_v1
+from ..yamlconf import Call, expect, load_yaml
+from .assets import write_campplus_onnx, write_speech_tokenizer_onnx
+from .random_weights import randomise, weight_norm_state
 
 SPEECH_TOKENS = 4096  # 50 Hz v1 speech vocabulary
 TEXT_TOKENS = 51866  # openai-whisper's multilingual tokenizer (num_languages=100), which v1 folders use
@@ -341,9 +341,7 @@ def hift_state(hift_node: Call, gen: torch.Generator) -> dict[str, torch.Tensor]
 
 
 def llm_state(llm_node: Call, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random ``llm.pt`` weights under upstream ``TransformerLM``'s key names (built by :mod:`.llm_v1`)."""
-    from .llm_v1 import build_llm_v1
-
+    """Random ``llm.pt`` weights under upstream ``TransformerLM``'s key names (see :mod:`cosybatch.cosyvoice.lm.v1`)."""
     llm = build_llm_v1(llm_node)
     randomise(llm, gen)
     _norms_near_one(llm, gen)
@@ -383,17 +381,3 @@ def write_model_dir(
     if variant != "base":
         torch.save({name: {"embedding": torch.randn(1, 192, generator=gen)} for name in speakers}, out / "spk2info.pt")
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--variant", choices=VARIANTS, default="base")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(write_model_dir(args.out, args.variant, args.size, args.seed))
-
-
-if __name__ == "__main__":
-    main()

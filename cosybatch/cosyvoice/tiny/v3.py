@@ -1,6 +1,6 @@
 """Write a Fun-CosyVoice3-0.5B model folder in the official layout, tiny and with random weights.
 
-The v3 sibling of :mod:`.tiny`: ``cosyvoice3.yaml`` (upstream's layout and classes, small sizes),
+The v3 sibling of :mod:`.v2`: ``cosyvoice3.yaml`` (upstream's layout and classes, small sizes),
 ``llm.pt``, ``flow.pt``, ``hift.pt`` (state dicts under upstream's key names), ``campplus.onnx``,
 ``speech_tokenizer_v3.onnx``, ``configuration.json`` and ``CosyVoice-BlankEN/``. Upstream's own
 classes load it strictly (``tests/golden/make_v3_golden.py`` does), so tests of our v3 modules
@@ -11,12 +11,11 @@ its 151,643 ordinary ids, so ``<|endofprompt|>`` gets id 151646 from upstream's 
 the real one (upstream's LM checks for that id); the rows are narrow (hidden size 32), so the
 folder stays about 40 MB. The yaml keeps the real token rates, mel settings and vocoder rates.
 
-    python -m cosybatch.cosyvoice.tiny_v3 OUT_DIR [--seed N]
+    python -m cosybatch.cosyvoice.tiny --family v3 [--seed N] OUT_DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -27,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .tiny import randomise, weight_norm_state
-from .tiny_assets import (
+from ..flow.v3 import build_flow_v3
+from ..hift.causal import build_hift_v3
+from ..yamlconf import load_yaml
+from .assets import (
     QWEN_SPECIALS,
     _qwen2_weights,
     _write_json,
@@ -38,6 +39,7 @@ from .tiny_assets import (
     write_campplus_onnx,
     write_speech_tokenizer_onnx,
 )
+from .random_weights import randomise, weight_norm_state
 
 SPEECH_TOKENS = 6561
 CONTROL_TOKENS = 200
@@ -263,16 +265,12 @@ def write_blank_en_v3(folder: str | Path, s: Sizes = TINY, seed: int = 0) -> Pat
 
 
 def _flow_state(raw: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    from .flow_v3 import build_flow_v3
-
     flow = build_flow_v3(raw["flow"])
     randomise(flow, gen)
     return {k: v.clone() for k, v in flow.state_dict().items()}
 
 
 def _hift_state(raw: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    from .hift_v3 import build_hift_v3
-
     hift = build_hift_v3(raw["hift"], raw["flow"])
     randomise(hift, gen)
     with torch.no_grad():
@@ -309,8 +307,6 @@ def write_model_dir_v3(out: str | Path, seed: int = 0, parts: tuple[str, ...] = 
 
     Each file's weights come from its own generator (seeded from ``seed`` and the file's name), so
     leaving a part out changes nothing in the others."""
-    from .yamlconf import load_yaml
-
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"parts {unknown}: choose from {', '.join(PARTS)}")
@@ -355,15 +351,3 @@ def folder_digests(model_dir: str | Path) -> dict[str, str]:
         else:
             out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(write_model_dir_v3(args.out, args.seed))
-
-
-if __name__ == "__main__":
-    main()

@@ -41,8 +41,9 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from .hift import Snake
-from .yamlconf import Call, expect
+from ..weights import load_state, load_strict
+from ..yamlconf import Call, expect
+from .generator import Snake
 
 __all__ = [
     "CausalConvRNNF0Predictor",
@@ -464,10 +465,8 @@ class CausalHiFTGenerator(nn.Module):
     def load_checkpoint(self, state: Mapping[str, Tensor], path: str | Path) -> CausalHiFTGenerator:
         """Load a ``hift.pt`` state (either weight-norm key style, optional ``generator.`` prefix) strictly.
 
-        Raises :class:`~cosybatch.cosyvoice.model.ModelDirError` naming missing, unexpected or mis-shaped keys.
+        Raises :class:`~cosybatch.cosyvoice.weights.ModelDirError` naming missing, unexpected or mis-shaped keys.
         """
-        from .model import load_strict
-
         load_strict(self, upstream_keys(state), Path(path))
         return self
 
@@ -521,8 +520,6 @@ def upstream_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def load_hift_v3(module: CausalHiFTGenerator, path: str | Path) -> CausalHiFTGenerator:
     """Load a v3 ``hift.pt`` (either weight-norm key style) into ``module`` with strict key and shape checks.
 
-    Raises :class:`~cosybatch.cosyvoice.model.ModelDirError` naming missing, unexpected or mis-shaped keys.
+    Raises :class:`~cosybatch.cosyvoice.weights.ModelDirError` naming missing, unexpected or mis-shaped keys.
     """
-    from .model import load_state
-
     return module.load_checkpoint(load_state(Path(path)), path)

@@ -28,8 +28,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .llm import LMRequest, PoolStats, Qwen2Config, Qwen2SpeechLM, Sampling
-from .yamlconf import Call, expect, load_yaml
+from ..weights import ModelDirError, load_state, load_strict
+from ..yamlconf import Call, expect, load_yaml
+from .pool import LMRequest, PoolStats, Sampling
+from .qwen2 import Qwen2Config, Qwen2SpeechLM
 
 SPEECH_TOKENS = 6561
 CONTROL_TOKENS = 200  # ids after the speech ids, in the decoder and the speech embedding
@@ -162,8 +164,6 @@ def load_llm_v3(model_dir: str | Path, device: torch.device | str = "cpu",
 
     The Qwen2 text head (``llm.model.lm_head.weight``, tied to the text embedding) is unused for
     speech and is not loaded."""
-    from .model import ModelDirError, load_state, load_strict
-
     model_dir = Path(model_dir)
     path = model_dir / YAML_NAME
     if not path.is_file():

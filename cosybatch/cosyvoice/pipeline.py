@@ -1,0 +1,209 @@
+"""The stages of CosyVoice synthesis for a batch of segments: text tokens -> speech tokens (the LM,
+in its slot pool) -> mel (the flow) -> waveform (the HiFT vocoder).
+
+The LM decodes every segment at once; the flow and the vocoder then take the segments regrouped
+by the speech tokens the LM really made, longest first, each stage in its own batch sizes (the
+flow's cost grows faster than linearly with length, see :func:`flow_cost`). A GPU out-of-memory
+error in the flow or the vocoder halves the chunk (:func:`split_on_oom`), so the LM's tokens are
+kept. The engine adapter (``cosybatch.engines.cosyvoice``) builds the :class:`Segment` s and calls
+:meth:`Pipeline.synthesize`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .flow.cfm import FlowInput
+from .lm.pool import DecoderLM, LMRequest, PoolStats, Sampling
+from .model import ModelConfig, load_flow, load_hift, read_config
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Flow cost of an item of L mel frames (prompt frames included), in units of frames:
+# L * (1 + L / FLOW_QUADRATIC_FRAMES). Convolutions and linear layers grow with L, the estimator's
+# self-attention with L^2; this is the length at which the two cost the same.
+FLOW_QUADRATIC_FRAMES = 2048
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a row for the LM: its text tokens, its voice, what of the voice the LM sees, its seed."""
+
+    text_tokens: tuple[int, ...]
+    voice: Any  # frontend.features.Voice
+    prompt_text_tokens: tuple[int, ...]  # the LM's prompt text: a zero-shot transcript or an instruction
+    seed: int
+    lm_speech: bool = False  # the LM reads the voice's prompt speech tokens (zero-shot)
+    lm_embedding: bool = True  # the LM reads the speaker embedding (CosyVoice-300M, not in instruct mode)
+
+
+class Token2Wav:
+    """The flow and the vocoder of one CosyVoice model directory (any family).
+
+    ``precision`` bf16 or fp16 converts the flow's weights once, at load; the flow's Euler state,
+    its time features and its starting noise stay fp32, and the vocoder stays fp32 (as upstream's
+    fp16 mode keeps it).
+
+    ``flow_backend`` onnx or tensorrt runs the flow's estimator (the U-Net called at each Euler step)
+    through ONNX Runtime instead of torch, see :mod:`.flow.onnx`; ``onnx_cache`` overrides the cache
+    folder (default ``$XDG_CACHE_HOME/cosybatch``).
+    """
+
+    def __init__(
+        self, model_dir: str | Path | ModelConfig, device: str | torch.device = "cpu", precision: str = "fp32",
+        flow_backend: str = "torch", onnx_cache: str | Path | None = None,
+    ):
+        self.config = model_dir if isinstance(model_dir, ModelConfig) else read_config(model_dir)
+        self.device = torch.device(device)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+        self.precision = precision
+        self.flow = load_flow(self.config, self.device)
+        self.flow_backend = flow_backend
+        if flow_backend != "torch":
+            from .flow.onnx import attach
+
+            # Exported from the fp32 weights, before any conversion below.
+            attach(self.flow, self.config, flow_backend, self.device, precision, folder=onnx_cache)
+        if PRECISIONS[precision] is not None:
+            self.flow.to(dtype=PRECISIONS[precision])
+        self.hift = load_hift(self.config, self.device)
+        self.sample_rate = self.config.sample_rate
+        self.samples_per_frame = self.config.samples_per_frame
+
+    @torch.inference_mode()
+    def mels(self, items: Sequence[FlowInput], seeds: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """One (80, frames) fp32 mel per item, on the model's device. ``seeds``: each item's noise
+        seed, for CosyVoice-300M's flow (upstream draws fresh noise per call; ours per item, from
+        its seed); CosyVoice2's and 3's flows start every item from upstream's fixed noise table."""
+        return [m.float() for m in self.flow.inference(items, seeds=seeds)]
+
+    @torch.inference_mode()
+    def vocode(self, mels: Sequence[torch.Tensor], seeds: Sequence[int]) -> list[np.ndarray]:
+        """Waveforms (float32, ``samples_per_frame`` per mel frame) for mels (80, L_i)."""
+        lengths = torch.tensor([m.size(1) for m in mels], device=self.device)
+        batch = torch.zeros(len(mels), mels[0].size(0), int(lengths.max()), device=self.device)
+        for i, mel in enumerate(mels):
+            batch[i, :, : mel.size(1)] = mel
+        generators = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        audio, audio_lengths = self.hift(batch, lengths, generators)
+        audio = audio.float().cpu().numpy()
+        return [audio[i, : int(n)].copy() for i, n in enumerate(audio_lengths.tolist())]
+
+    def __call__(self, items: Sequence[FlowInput], seeds: Sequence[int]) -> list[np.ndarray]:
+        if len(items) != len(seeds):
+            raise ValueError("one seed per item")
+        if not items:
+            return []
+        return self.vocode(self.mels(items, seeds), seeds)
+
+
+@dataclass
+class Pipeline:
+    """The LM, the flow and the vocoder of one model folder, with each stage's batch sizes.
+
+    ``segment_tokens``: speech tokens of a full-length segment (the flow's batch budget is
+    ``flow_batch`` such items)."""
+
+    lm: DecoderLM
+    sampling: Sampling
+    t2w: Token2Wav
+    lm_slots: int
+    flow_batch: int
+    hift_batch: int
+    segment_tokens: int
+    cuda_graphs: bool = True
+
+    def synthesize(self, segs: Sequence[Segment]) -> tuple[list[np.ndarray], PoolStats]:
+        """One waveform per segment (empty where the LM made no tokens), and the LM's pool statistics."""
+        tokens, lm_stats = self.decode(segs)
+        items = [
+            FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
+            for s, t in zip(segs, tokens, strict=True)
+        ]
+        seeds = [s.seed for s in segs]
+        # Mel frames each item's flow computes: its prompt's and its own.
+        mel_frames = self.t2w.flow.mel_frames
+        frames = {i: mel_frames(len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
+                  for i, (s, t) in enumerate(zip(segs, tokens, strict=True)) if t}
+        mels = self.flow(items, seeds, frames)
+        audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
+        for i, wav in self.vocode(mels, seeds).items():
+            audio[i] = wav
+        return audio, lm_stats
+
+    def decode(self, segs: Sequence[Segment]) -> tuple[list[list[int]], PoolStats]:
+        """Speech tokens per segment (the family's finishing rule applied), decoded in the slot pool."""
+        requests = [
+            LMRequest(
+                text=s.text_tokens,
+                prompt_text=s.prompt_text_tokens,
+                prompt_speech=s.voice.prompt_tokens.tolist() if s.lm_speech else (),
+                seed=s.seed,
+                embedding=s.voice.embedding if s.lm_embedding else None,
+            )
+            for s in segs
+        ]
+        tokens, lm_stats = self.lm.decode(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
+        return [self.lm.finish_tokens(t) for t in tokens], lm_stats
+
+    def flow(self, items: Sequence[FlowInput], seeds: Sequence[int], frames: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Mels of the items in ``frames`` (item index -> mel frames), longest first, in chunks of at
+        most ``flow_batch`` items within the padded-cost budget."""
+        by_frames = sorted(frames, key=lambda i: -frames[i])
+        budget = self.flow_batch * flow_cost(self.t2w.flow.mel_frames(self.segment_tokens))
+        mels: dict[int, torch.Tensor] = {}
+        for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
+            made = split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c], [seeds[i] for i in c]))
+            for i, mel in zip(chunk, made, strict=True):
+                mels[i] = mel
+        return mels
+
+    def vocode(self, mels: dict[int, torch.Tensor], seeds: Sequence[int]) -> dict[int, np.ndarray]:
+        """Waveforms of the mels, longest first, in chunks of at most ``hift_batch``."""
+        lengths = {i: mel.size(1) for i, mel in mels.items()}
+        audio: dict[int, np.ndarray] = {}
+        for chunk in stage_batches(sorted(lengths, key=lambda i: -lengths[i]), lengths, self.hift_batch):
+            wavs = split_on_oom(chunk, lambda c: self.t2w.vocode([mels[i] for i in c], [seeds[i] for i in c]))
+            for i, wav in zip(chunk, wavs, strict=True):
+                audio[i] = wav
+        return audio
+
+
+def split_on_oom(chunk: list[int], run) -> list:
+    """``run(chunk)``; on a GPU out-of-memory error, the chunk in halves (recursively), so the
+    tokens the LM made are kept. One item that does not fit alone raises, and fails its row."""
+    from ..gpu import is_oom
+
+    try:
+        return list(run(chunk))
+    except Exception as exc:
+        if not is_oom(exc) or len(chunk) == 1:
+            raise
+    half = len(chunk) // 2
+    return split_on_oom(chunk[:half], run) + split_on_oom(chunk[half:], run)
+
+
+def flow_cost(frames: int) -> float:
+    """The flow's cost of an item of ``frames`` mel frames: linear layers plus self-attention."""
+    return frames * (1 + frames / FLOW_QUADRATIC_FRAMES)
+
+
+def stage_batches(order: list[int], cost: dict[int, float], max_items: int,
+                  budget: Optional[float] = None) -> list[list[int]]:
+    """Consecutive chunks of ``order`` (longest first) of at most ``max_items``, each within
+    ``budget`` counted as padded cost (items x the cost of its first, longest item); an item over
+    the budget alone still gets a chunk of its own."""
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and len(chunks[-1]) < max_items and (
+                budget is None or (len(chunks[-1]) + 1) * cost[chunks[-1][0]] <= budget):
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
