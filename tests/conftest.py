@@ -1,46 +1,16 @@
+"""Fixtures only; shared functions live in helpers.py."""
+
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-# Mixed lengths on purpose: durations must grow with text, batches must bucket by length.
-TEXTS = [
-    "Yes.",
-    "Good morning.",
-    "The kettle is boiling.",
-    "Please close the window before you leave the house.",
-    "Rain is expected this afternoon, so bring an umbrella and a warm coat.",
-    "The library opens at nine. Returns go in the slot by the door. Late fees are small.",
-    "After the long winter, the farmers checked every fence, repaired the old barn roof, and "
-    "planted rows of beans, carrots and potatoes along the southern edge of the field.",
-    "Why not?",
-]
+from helpers import TEXTS
 
 
 @pytest.fixture(scope="session")
 def texts() -> list[str]:
     return list(TEXTS)
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def write_jsonl(path: Path, rows: list, gz: bool = False) -> Path:
-    data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
-    if gz:
-        import gzip
-
-        data = gzip.compress(data)
-    path.write_bytes(data)
-    return path
 
 
 @pytest.fixture(scope="session")

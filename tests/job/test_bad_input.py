@@ -3,7 +3,7 @@ hang, a runaway message or a traceback."""
 
 from __future__ import annotations
 
-import os
+import functools
 import random
 import shutil
 import subprocess
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_parquet
+from helpers import cli as run_cli
+from helpers import write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.distributed import parse_shard
@@ -24,9 +25,7 @@ from cosybatch.jobspec import load_job_spec
 CLI_TIMEOUT = 60
 
 
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True,
-                          timeout=CLI_TIMEOUT, env={**os.environ, **(env or {})})
+cli = functools.partial(run_cli, timeout=CLI_TIMEOUT)
 
 
 def assert_clean_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

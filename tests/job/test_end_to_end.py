@@ -9,18 +9,10 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_jsonl, write_parquet
-from helpers import read_output
+from helpers import cli, read_output, write_jsonl, write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.job import run
-
-
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}")
-    return proc
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "jsonl.gz"])
@@ -31,7 +23,7 @@ def test_run_writes_every_id_once(tmp_path, texts, fmt):
     else:
         corpus = write_jsonl(tmp_path / f"c.{fmt}", rows, gz=fmt.endswith(".gz"))
     out = tmp_path / "out"
-    proc = cli("run", str(corpus), "--out", str(out), "--shard-max-items", "3")
+    proc = cli("run", str(corpus), "--out", str(out), "--shard-max-items", "3", check=True)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["status"] == "complete"
     assert summary["items_done"] == len(texts)
@@ -133,11 +125,11 @@ def test_help_is_fast_and_imports_no_engine():
 
 def test_readme_main_job_on_the_example_corpus(tmp_path):
     """The README's run command, on the committed example corpus, as a new user runs it."""
-    from conftest import ROOT
+    from helpers import ROOT
 
     corpus = ROOT / "examples" / "corpus.parquet"
     out = tmp_path / "out"
-    proc = cli("run", str(corpus), "--out", str(out))
+    proc = cli("run", str(corpus), "--out", str(out), check=True)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["status"] == "complete"
     expected = pq.read_table(corpus).column("id").to_pylist()
     items = read_output(out)
@@ -166,7 +158,7 @@ def test_bad_rows_are_recorded_and_good_rows_still_written(tmp_path, texts):
         + json.dumps({"id": "good-2", "text": texts[1]}).encode() + b"\n"
     )
     out = tmp_path / "out"
-    proc = cli("run", str(corpus), "--out", str(out))
+    proc = cli("run", str(corpus), "--out", str(out), check=True)
     items = read_output(out)
     assert set(items) == {"good-1", "good-2"}
     assert items["good-1"]["meta"]["text"] == texts[2]  # the first row with a duplicate id wins
@@ -177,7 +169,7 @@ def test_bad_rows_are_recorded_and_good_rows_still_written(tmp_path, texts):
     assert "nothing pronounceable" in failures[3]["reason"]
     assert json.loads(proc.stdout.splitlines()[-1])["items_failed"] == 4
     # A rerun redoes nothing and records no failure twice, id-less rows included.
-    rerun = json.loads(cli("run", str(corpus), "--out", str(out)).stdout.splitlines()[-1])
+    rerun = json.loads(cli("run", str(corpus), "--out", str(out), check=True).stdout.splitlines()[-1])
     assert rerun["items_failed"] == 4 and rerun["items_done"] == 2
     assert len((out / "failures.jsonl").read_text().splitlines()) == 4
 

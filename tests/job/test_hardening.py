@@ -14,23 +14,22 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_jsonl, write_parquet
-from helpers import read_output
-from test_resume import committed_items, corpus_rows, start, wait_for_items
+from helpers import (
+    ROOT,
+    assert_complete,
+    committed_items,
+    corpus_rows,
+    read_output,
+    start_run,
+    wait_for_items,
+    write_jsonl,
+    write_parquet,
+)
 
 from cosybatch.config import RunConfig
 from cosybatch.errors import CorpusError, OutputError, UsageError
 from cosybatch.job import run
 from cosybatch.shards import ShardWriter
-
-
-def assert_complete(out: Path, rows: list[dict]) -> dict:
-    items = read_output(out)  # every tar opens, every WAV decodes, no id twice
-    assert sorted(items) == sorted(r["id"] for r in rows)
-    assert not list(out.glob("*.partial"))
-    for item in items.values():
-        assert len(item["audio"]) == item["meta"]["num_samples"] > 0
-    return items
 
 
 def test_kill_9_at_random_moments(tmp_path):
@@ -41,7 +40,7 @@ def test_kill_9_at_random_moments(tmp_path):
     done_per_run = []
     for _ in range(4):
         before = committed_items(out) if out.exists() else 0
-        proc = start(corpus, out)
+        proc = start_run(corpus, out)
         # Wait for this run's commits (a busy machine may take seconds to load the model), then
         # kill at a random moment of the batches that follow: mid-inference, mid-write, mid-commit.
         wait_for_items(out, proc, min(before + rng.randint(1, 4), len(rows)))
@@ -62,7 +61,7 @@ def test_signals_end_cleanly_with_exit_4(tmp_path, sig):
     rows = corpus_rows(30)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
-    proc = start(corpus, out)
+    proc = start_run(corpus, out)
     wait_for_items(out, proc, 2)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=30)

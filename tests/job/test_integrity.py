@@ -7,20 +7,16 @@ from __future__ import annotations
 import gzip
 import json
 import signal
-import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_jsonl, write_parquet
-from helpers import read_output
+from helpers import cli, journal, read_output, start_run, write_jsonl, write_parquet
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cosybatch.checkpoint import Journal
 from cosybatch.config import RunConfig
 from cosybatch.errors import CorpusError, ResumeMismatchError
 from cosybatch.job import run
@@ -35,15 +31,6 @@ def rows(n: int, prefix: str = "id") -> list[dict]:
 
 def config(corpus: Path, out: Path, **kw) -> RunConfig:
     return RunConfig(corpus=corpus, out=out, progress="none", **{"shard_max_items": 3, **kw})
-
-
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def journal(out: Path) -> list[dict]:
-    return list(Journal.read(out / ".cosybatch" / "journal.jsonl"))
 
 
 def verify(out: Path) -> dict:
@@ -198,14 +185,8 @@ def test_a_journal_damaged_in_the_middle_recovers_from_the_shards(finished, dama
     assert_exactly_once(out, ids)
 
 
-def _start(corpus: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out),
-                             "--shard-max-items", "1000", "--progress", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def _killed_after_commits(corpus: Path, out: Path, n: int) -> None:
-    proc = _start(corpus, out)
+    proc = start_run(corpus, out, shard_max_items=1000, progress="none")
     deadline = time.monotonic() + 180
     while sum(len(r["items"]) for r in journal(out) if r["t"] == "items") < n:
         assert proc.poll() is None, proc.communicate()

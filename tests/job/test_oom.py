@@ -8,8 +8,7 @@ import weakref
 
 import numpy as np
 import torch
-from conftest import write_parquet
-from helpers import read_output
+from helpers import read_output, write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.engines import Synthesised

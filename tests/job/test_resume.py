@@ -6,51 +6,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_parquet
-from helpers import read_output
+from helpers import committed_items, corpus_rows, read_output, start_run, wait_for_items, write_parquet
 
-from cosybatch.checkpoint import Journal
 from cosybatch.config import RunConfig
 from cosybatch.errors import ResumeMismatchError
 from cosybatch.job import run
-
-
-def corpus_rows(n: int) -> list[dict]:
-    lines = [line for line in (ROOT / "examples" / "sentences.txt").read_text().splitlines() if line.strip()]
-    return [{"id": f"utt/{i}", "text": lines[i % len(lines)]} for i in range(n)]
-
-
-def committed_items(out: Path) -> int:
-    return sum(len(r["items"]) for r in Journal.read(out / ".cosybatch" / "journal.jsonl") if r["t"] == "items")
-
-
-def start(corpus: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out), "--shard-max-items", "4",
-         "--progress", "log"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-
-
-def wait_for_items(out: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while committed_items(out) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "run made no progress"
-        time.sleep(0.05)
 
 
 def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
     rows = corpus_rows(30)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
-    proc = start(corpus, out)
+    proc = start_run(corpus, out)
     wait_for_items(out, proc, 9)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -73,7 +43,7 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path):
     rows = corpus_rows(30)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
-    proc = start(corpus, out)
+    proc = start_run(corpus, out)
     wait_for_items(out, proc, 3)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -117,7 +87,7 @@ def test_rerun_with_other_settings_is_refused_unless_restart(tmp_path):
 def test_second_writer_is_refused(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(30))
     out = tmp_path / "out"
-    proc = start(corpus, out)
+    proc = start_run(corpus, out)
     try:
         wait_for_items(out, proc, 1)
         from cosybatch.errors import UsageError

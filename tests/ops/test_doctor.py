@@ -3,31 +3,20 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, cli, last_json
 
 from cosybatch import doctor, gpu, job
 from cosybatch.config import RunConfig
 from cosybatch.errors import EXIT_USAGE, UsageError
 
-ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 HAS_GPU = gpu.cuda_driver_devices()[0] > 0
 no_gpu_only = pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
-
-
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
-
-
-def last_json(proc: subprocess.CompletedProcess) -> dict:
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # -- cosybatch doctor ---------------------------------------------------------------------------

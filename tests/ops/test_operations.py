@@ -18,21 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile
 import yaml
-from conftest import ROOT, write_parquet
-from helpers import read_output
-from test_resume import corpus_rows, wait_for_items
+from helpers import ROOT, cli, corpus_rows, read_output, wait_for_items, write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.job import run
 
 
-def cosybatch(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)
-
-
 def checked(*args: str, **kw) -> dict:
-    proc = cosybatch("run", *args, "--check", **kw)
+    proc = cli("run", *args, "--check", **kw)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])["config"]
 
@@ -48,14 +41,14 @@ def test_job_spec_values_flags_override_and_bad_keys(tmp_path):
     assert (cfg["batch_size"], cfg["seed"], cfg["normalize"]) == (4, 9, True)
 
     spec.write_text(f'corpus = "{corpus}"\nbatch_sise = 4\n')
-    proc = cosybatch("run", "--job", str(spec), "--check")
+    proc = cli("run", "--job", str(spec), "--check")
     assert proc.returncode == 2 and "unknown key 'batch_sise'" in proc.stderr and "batch_size" in proc.stderr
     spec.write_text(f'corpus = "{corpus}"\nbatch_size = "many"\n')
-    proc = cosybatch("run", "--job", str(spec), "--check")
+    proc = cli("run", "--job", str(spec), "--check")
     assert proc.returncode == 2 and "batch_size" in proc.stderr
     yml = tmp_path / "job.yaml"
     yml.write_text("!!python/object/apply:os.system ['echo pwned']\n")
-    proc = cosybatch("run", "--job", str(yml), "--check")
+    proc = cli("run", "--job", str(yml), "--check")
     assert proc.returncode == 2 and "pwned" not in proc.stdout  # parsed, never executed
 
 
@@ -75,7 +68,7 @@ def test_every_example_in_jobs_is_valid(cosyvoice_dir, cosyvoice_v1_dir, cosyvoi
         if family:
             model, _, extra = stand_ins[family]
             override = ["--model", str(model), "--device", "cpu", *extra]
-        proc = cosybatch("run", "--job", str(spec.relative_to(ROOT)), "--shard", "0/4", *override, "--check")
+        proc = cli("run", "--job", str(spec.relative_to(ROOT)), "--shard", "0/4", *override, "--check")
         assert proc.returncode == 0, proc.stderr
         report = json.loads(proc.stdout.splitlines()[-1])
         cfg = report["config"]
@@ -139,23 +132,23 @@ def test_three_workers_cover_every_id_once_and_merge(tmp_path):
         seen += ids
     assert sorted(seen) == sorted(r["id"] for r in rows)  # union is the corpus, disjoint
 
-    merged = json.loads(cosybatch("merge", str(out)).stdout)
+    merged = json.loads(cli("merge", str(out)).stdout)
     assert merged["items"] == len(rows) and merged["problems"] == []
     manifest = pq.read_table(out / "manifest.parquet").to_pylist()
     assert sorted(m["id"] for m in manifest) == sorted(r["id"] for r in rows)
     assert all((out / m["shard"]).exists() for m in manifest)
-    status = json.loads(cosybatch("status", str(out), "--json").stdout)
+    status = json.loads(cli("status", str(out), "--json").stdout)
     assert status["status"] == "complete" and status["done"] == len(rows) and len(status["parts"]) == 3
 
 
 def test_merge_refuses_missing_parts(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(3))
     run(RunConfig(corpus=corpus, out=tmp_path / "out", shard_index=0, shard_count=2, progress="none"))
-    proc = cosybatch("merge", str(tmp_path / "out"))
+    proc = cli("merge", str(tmp_path / "out"))
     assert proc.returncode == 2 and "parts [1] of 2 are missing" in proc.stderr
-    status = json.loads(cosybatch("status", str(tmp_path / "out"), "--json").stdout)
+    status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
     assert status["status"] == "partial" and status["missing_parts"] == [1]
-    assert json.loads(cosybatch("merge", str(tmp_path / "out"), "--partial").stdout)["problems"]
+    assert json.loads(cli("merge", str(tmp_path / "out"), "--partial").stdout)["problems"]
 
 
 # -- status and metrics ------------------------------------------------------------------------
@@ -177,7 +170,7 @@ def test_status_and_metrics_of_a_running_job(tmp_path):
                              "--metrics-file", str(prom), "--progress", "none"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_items(out, proc, 4)
-    live = json.loads(cosybatch("status", str(out), "--json").stdout)
+    live = json.loads(cli("status", str(out), "--json").stdout)
     assert live["status"] == "running" and live["total"] == 30
     assert 4 <= live["done"] < 30 and live["items_per_second"] > 0 and live["eta_seconds"] > 0
     during = metrics(prom)
@@ -185,9 +178,9 @@ def test_status_and_metrics_of_a_running_job(tmp_path):
     _stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr  # status did not disturb the run
 
-    done = json.loads(cosybatch("status", str(out), "--json").stdout)
+    done = json.loads(cli("status", str(out), "--json").stdout)
     assert (done["status"], done["done"], done["failed"]) == ("complete", 30, 0)
-    assert "complete, 30/30 done" in cosybatch("status", str(out)).stdout
+    assert "complete, 30/30 done" in cli("status", str(out)).stdout
     final = metrics(prom)
     stats = json.loads((out / "stats.json").read_text())
     assert final[("cosybatch_items_total", "done")] == 30
@@ -283,5 +276,5 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
         assert all(Path(json.loads(line)["sources"][0]["source"]).is_absolute() for line in f)
 
     # `cosybatch export` does the same on demand, also for a sharded job's root.
-    proc = cosybatch("export", str(out), "--to", "nemo")
+    proc = cli("export", str(out), "--to", "nemo")
     assert proc.returncode == 0 and json.loads(proc.stdout)["nemo"].endswith("manifest.jsonl")

@@ -16,23 +16,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_parquet
-from test_resume import corpus_rows
+from helpers import ROOT, cli, corpus_rows, write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.job import run
-
-
-def cosybatch(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 # -- 1. --version ------------------------------------------------------------------------------
 def test_version_needs_no_command():
     from cosybatch import __version__
 
-    proc = cosybatch("--version")
+    proc = cli("--version")
     assert (proc.returncode, proc.stdout.strip()) == (0, __version__), proc.stderr
 
 
@@ -127,10 +121,10 @@ def test_metrics_job_is_a_run_flag_and_a_spec_key(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(1))
     spec = tmp_path / "job.toml"
     spec.write_text(f'corpus = "{corpus}"\nmetrics-job = "from-spec"\n')
-    proc = cosybatch("run", "--job", str(spec), "--check")
+    proc = cli("run", "--job", str(spec), "--check")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["config"]["metrics_job"] == "from-spec"
-    proc = cosybatch("run", "--job", str(spec), "--metrics-job", "from-flag", "--check")
+    proc = cli("run", "--job", str(spec), "--metrics-job", "from-flag", "--check")
     assert json.loads(proc.stdout.splitlines()[-1])["config"]["metrics_job"] == "from-flag"
 
 
@@ -146,10 +140,10 @@ def test_a_finished_part_reports_its_real_total(tmp_path):
     out = tmp_path / "out"
     for index in (0, 1):  # 4 rows over 2 workers: each was estimated at 2
         assert run(RunConfig(corpus=corpus, out=out, shard_index=index, shard_count=2, progress="none")).exit_code == 0
-    status = json.loads(cosybatch("status", str(out), "--json").stdout)
+    status = json.loads(cli("status", str(out), "--json").stdout)
     assert [(p["done"], p["total"], p["total_is_estimate"]) for p in status["parts"]] == [(3, 3, False), (1, 1, False)]
     assert (status["status"], status["done"], status["total"], status["total_is_estimate"]) == ("complete", 4, 4, False)
-    assert "complete, 4/4 done" in cosybatch("status", str(out)).stdout
+    assert "complete, 4/4 done" in cli("status", str(out)).stdout
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -168,7 +162,7 @@ def test_a_shard_out_of_range_says_what_is_wrong(spec, message):
 
 
 def test_shard_zero_of_zero_on_the_command_line():
-    proc = cosybatch("run", "examples/corpus.parquet", "--shard", "0/0", "--check")
+    proc = cli("run", "examples/corpus.parquet", "--shard", "0/0", "--check")
     assert proc.returncode == 2
     assert "the worker count N must be at least 1" in proc.stderr and "0..-1" not in proc.stderr
 

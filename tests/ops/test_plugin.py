@@ -5,13 +5,10 @@ stats and ray-run, with no change to cosybatch."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from importlib.metadata import entry_points
 
 import pytest
-from conftest import write_jsonl
-from helpers import read_output
+from helpers import cli, read_output, write_jsonl
 
 TEXTS = ["One. Two three.", "A longer sentence here. And a second one. Third.", "Short.", "Hello there friend.",
          "Last one, really."]
@@ -21,11 +18,6 @@ TEXTS = ["One. Two three.", "A longer sentence here. And a second one. Third.", 
 def installed():
     if not any(ep.name == "tone" for ep in entry_points(group="cosybatch.engines")):
         pytest.fail("the test plugin is not installed: pip install --no-deps ./tests/plugin (as .ci/run does)")
-
-
-def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
 
 
 def test_the_plugin_is_listed_with_its_options():

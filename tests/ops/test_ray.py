@@ -8,8 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import write_parquet
-from helpers import read_output
+from helpers import read_output, write_parquet
 
 ray = pytest.importorskip("ray")
 

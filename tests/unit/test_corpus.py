@@ -7,7 +7,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_jsonl, write_parquet
+from helpers import write_jsonl, write_parquet
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -11,11 +11,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from cosybatch import gpu
 from cosybatch.errors import UsageError
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # Installed as sitecustomize.py in a child: records PYTORCH_CUDA_ALLOC_CONF at the moment anything
 # first tries to import torch (before torch's shared libraries load and pick the allocator backend).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from conftest import ROOT
+from helpers import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

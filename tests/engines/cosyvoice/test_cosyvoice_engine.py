@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import write_parquet
-from helpers import read_output
+from helpers import cli, read_output, write_parquet
 
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions
 from cosybatch.plan import Unit
 
 SAMPLES_PER_TOKEN = 2 * 480  # 2 mel frames per speech token, 480 samples per frame
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

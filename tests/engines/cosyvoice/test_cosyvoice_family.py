@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
-from conftest import write_jsonl
-from helpers import read_output
+from helpers import cli, read_output, write_jsonl
 
 from cosybatch.cosyvoice.family import ENDOFPROMPT
 from cosybatch.cosyvoice.model import ModelDirError, read_config
@@ -21,10 +18,6 @@ from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions, check_setup
 from cosybatch.errors import UsageError
 from cosybatch.plan import Unit
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosybatch", *args], capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import write_parquet
-from helpers import read_output
+from helpers import read_output, write_parquet
 
 from cosybatch.cosyvoice import flow_onnx
 from cosybatch.cosyvoice.flow import FlowInput

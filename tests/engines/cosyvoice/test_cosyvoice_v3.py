@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import GOLDEN as GOLDEN_ROOT
 
 from cosybatch.cosyvoice.llm import LMRequest, Sampling
 from cosybatch.cosyvoice.llm_v3 import (
@@ -26,7 +27,7 @@ from cosybatch.cosyvoice.model import ModelDirError
 from cosybatch.cosyvoice.text import V3_SPECIALS
 from cosybatch.cosyvoice.tiny_v3 import folder_digests, write_model_dir_v3
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "v3"
+GOLDEN = GOLDEN_ROOT / "v3"
 RERUN = "rerun tests/golden/make_v3_golden.py (see its docstring) if the change is intended"
 
 

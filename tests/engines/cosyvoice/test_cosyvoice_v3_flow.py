@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import GOLDEN as GOLDEN_ROOT
 
 from cosybatch.cosyvoice.flow import FlowInput
 from cosybatch.cosyvoice.flow_v3 import build_flow_v3, fixed_noise, load_flow_v3
@@ -28,7 +29,7 @@ from cosybatch.cosyvoice.model import ModelDirError
 from cosybatch.cosyvoice.tiny_v3 import folder_digests, write_model_dir_v3
 from cosybatch.cosyvoice.yamlconf import load_yaml
 
-GOLDEN = Path(__file__).parent / "golden" / "v3"
+GOLDEN = GOLDEN_ROOT / "v3"
 HOP = 480  # samples per mel frame
 SEED = 0  # the tiny folder the fixtures were recorded on
 

@@ -8,8 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import write_parquet
-from helpers import read_output
+from helpers import read_output, write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.engines import EngineOptions, open_engine
