@@ -52,3 +52,20 @@ def cosyvoice_v3_dir(tmp_path_factory) -> Path:
     from cosybatch.cosyvoice.tiny_v3 import write_model_dir_v3
 
     return write_model_dir_v3(tmp_path_factory.mktemp("cosyvoice-v3") / "Fun-CosyVoice3-0.5B-tiny")
+
+
+@pytest.fixture(scope="session")
+def tone():
+    """RunConfig for the tone engine (tests/plugin, installed as a plugin): a job's mechanics in
+    process, in milliseconds, with no model. tone(corpus, out, **settings) -> RunConfig."""
+    from importlib.metadata import entry_points
+
+    from cosybatch.config import RunConfig
+
+    if not any(ep.name == "tone" for ep in entry_points(group="cosybatch.engines")):
+        pytest.fail("the test plugin is not installed: pip install --no-deps ./tests/plugin (as .ci/run does)")
+
+    def config(corpus: Path, out: Path, **settings) -> RunConfig:
+        return RunConfig(corpus=corpus, out=out, **{"engine": "tone", "progress": "none", **settings})
+
+    return config

@@ -1,9 +1,12 @@
-"""Hostile or broken files and environments: each must end in a short usage error (exit 2), never a
-hang, a runaway message or a traceback."""
+"""Hostile or broken files, text and environments: each must end in a short, named error (a usage
+error is exit 2; a corpus error exit 3) or a recorded row failure, never a hang, a runaway message or
+a traceback."""
 
 from __future__ import annotations
 
 import functools
+import gzip
+import json
 import random
 import shutil
 import subprocess
@@ -13,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, read_output, write_jsonl, write_parquet
 from helpers import cli as run_cli
-from helpers import write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.distributed import parse_shard
-from cosybatch.errors import CosybatchError, UsageError
+from cosybatch.errors import CorpusError, CosybatchError, UsageError
+from cosybatch.job import run
 from cosybatch.jobspec import load_job_spec
 
 # Without the fixes these inputs hang or blow up memory; a fixed build answers in about a second.
@@ -253,8 +257,6 @@ def test_non_numeric_worker_index_via_cli(corpus, tmp_path):
 
 
 def test_a_byte_order_mark_before_the_first_jsonl_line_is_accepted(tmp_path):
-    from helpers import read_output
-
     from cosybatch.job import run
 
     path = tmp_path / "c.jsonl"
@@ -291,3 +293,74 @@ def test_an_internal_error_still_ends_with_a_json_line(corpus, tmp_path, monkeyp
     last = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert last == {"status": "error", "exit_code": 1, "error": "internal error: RuntimeError('a bug'); "
                                                                 "please report it with the log above"}
+
+
+# -- hostile text, broken and truncated corpora --------------------------------------------------
+def test_hostile_text(tmp_path):
+    rows = [
+        {"id": "emoji", "text": "Good news \U0001F389\U0001F44D\U0001F3FD everyone!"},
+        {"id": "chinese", "text": "This has 中文 in it."},
+        {"id": "only-emoji", "text": "\U0001F600\U0001F600"},
+        {"id": "huge", "text": "word " * 5000},
+        {"id": "ctrl", "text": "Bell\x07 and\x1b[0m escape."},
+        {"id": "../../etc/passwd", "text": "Path-like id."},
+        {"id": "fine", "text": "Nothing odd here."},
+    ]
+    corpus = write_jsonl(tmp_path / "c.jsonl", rows)
+    out = tmp_path / "out"
+    result = run(RunConfig(corpus=corpus, out=out, max_chars=10000, progress="none"))
+    items = read_output(out)
+    assert set(items) == {"emoji", "ctrl", "../../etc/passwd", "fine"}
+    assert items["emoji"]["meta"]["text"] == "Good news everyone!"
+    assert items["emoji"]["meta"]["source_text"] == rows[0]["text"]
+    assert items["ctrl"]["meta"]["text"] == "Bell and [0m escape."
+    assert "/" not in items["../../etc/passwd"]["key"] and not list(tmp_path.rglob("passwd*"))
+    reasons = {json.loads(x)["id"]: json.loads(x)["reason"] for x in (out / "failures.jsonl").read_text().splitlines()}
+    assert "cannot speak: '中文'" in reasons["chinese"]
+    assert "nothing pronounceable" in reasons["only-emoji"]
+    assert "over --max-chars 10000" in reasons["huge"]
+    assert result.stats["items_failed"] == 3
+
+
+def test_truncated_corpus_is_a_bad_input_error(tmp_path):
+    from cosybatch.corpus import Corpus
+
+    data = gzip.compress("".join(json.dumps({"id": i, "text": f"row {i}"}) + "\n" for i in range(3000)).encode())
+    path = tmp_path / "c.jsonl.gz"
+    path.write_bytes(data[: len(data) * 2 // 3])
+    corpus = Corpus(path)  # the first rows read fine
+    with pytest.raises(CorpusError, match=r"c.jsonl.gz: reading failed after line \d+ .*truncated or corrupt"):
+        list(corpus)
+    tiny = tmp_path / "tiny.jsonl.gz"
+    tiny.write_bytes(data[:200])  # 19 whole lines, then the cut
+    proc = cli("run", tiny, "--out", tmp_path / "out", "--engine", "tone")
+    assert proc.returncode == 3, proc.stderr
+    assert "tiny.jsonl.gz: reading failed after line 19" in proc.stderr
+    assert len(read_output(tmp_path / "out")) == 19  # the readable rows were synthesised
+    garbage = tmp_path / "garbage.jsonl.gz"
+    garbage.write_bytes(data[:20])  # not even one line
+    proc = cli("run", garbage, "--out", tmp_path / "g", "--engine", "tone")
+    assert proc.returncode == 3 and "garbage.jsonl.gz: cannot read the file" in proc.stderr
+
+
+def test_ids_that_are_not_unicode_fail_alone(tmp_path, tone):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "ok-1", "text": "Fine."}\n{"id": "bad\\ud800", "text": "Surrogate id."}\n'
+                      '{"id": "ok-2", "text": "Also fine.", "voice": "v\\udfff"}\n{"id": "ok-3", "text": "Last."}\n')
+    out = tmp_path / "out"
+    result = run(tone(corpus, out))
+    assert set(read_output(out)) == {"ok-1", "ok-3"}
+    reasons = [json.loads(line)["reason"] for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert "not valid Unicode" in reasons[0] and "voice is not valid Unicode" in reasons[1]
+    assert result.stats["items_failed"] == 2
+
+
+def test_usage_errors_exit_2():
+    cases = [["run", "nope.parquet", "--batch-size", "0"], ["run", "x.parquet", "--max-runtime", "soon"],
+             ["run", "--no-such-option"], ["run", "x.parquet", "--max-runtime", "nan"],
+             ["run", "x.parquet", "--shard-max-mb", "nan"]]
+    for args in cases:
+        proc = cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+    missing = cli("run", ROOT / "nope.parquet")
+    assert missing.returncode == 3 and "no such corpus file" in missing.stderr

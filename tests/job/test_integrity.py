@@ -30,7 +30,8 @@ def rows(n: int, prefix: str = "id") -> list[dict]:
 
 
 def config(corpus: Path, out: Path, **kw) -> RunConfig:
-    return RunConfig(corpus=corpus, out=out, progress="none", **{"shard_max_items": 3, **kw})
+    """The job in process on the tone engine (tests/plugin): these tests are about the folder, not the voice."""
+    return RunConfig(corpus=corpus, out=out, progress="none", **{"engine": "tone", "shard_max_items": 3, **kw})
 
 
 def verify(out: Path) -> dict:
@@ -203,7 +204,7 @@ def test_a_missing_open_shard_is_synthesised_again(tmp_path):
     _killed_after_commits(corpus, out, 2)
     partial = out / "shard-000000.tar.partial"  # shards of 1000 items: still open
     partial.unlink()
-    result = run(config(corpus, out))
+    result = run(config(corpus, out, engine="piper"))  # the killed run's engine: slow enough to be killed
     assert result.status == "complete"
     assert "shard-000000.tar.partial is missing" in result.stats["repairs"][0]
     assert result.stats["items_done"] == len(data)
@@ -219,7 +220,7 @@ def test_a_shortened_open_shard_keeps_what_is_whole(tmp_path):
     partial = out / "shard-000000.tar.partial"
     with open(partial, "r+b") as f:
         f.truncate(1000)  # inside the first item's WAV
-    result = run(config(corpus, out))
+    result = run(config(corpus, out, engine="piper"))
     assert result.status == "complete"
     assert f"{committed} items will be synthesised again" in result.stats["repairs"][0]
     assert result.stats["items_done"] == len(data)
@@ -302,7 +303,7 @@ def test_a_fixed_truncated_corpus_is_continued_with_allow_corpus_change(tmp_path
     corpus = tmp_path / "c.jsonl.gz"
     corpus.write_bytes(gz[: len(gz) * 3 // 4])
     out = tmp_path / "out"
-    proc = cli("run", corpus, "--out", out, "--progress", "none")
+    proc = cli("run", corpus, "--out", out, "--progress", "none", "--engine", "tone")
     assert proc.returncode == 3, proc.stderr
     assert "truncated or corrupt" in proc.stderr and "--allow-corpus-change" in proc.stderr
     summary = json.loads(proc.stdout.splitlines()[-1])
@@ -310,9 +311,9 @@ def test_a_fixed_truncated_corpus_is_continued_with_allow_corpus_change(tmp_path
     before = {r["id"] for r in pq.read_table(out / "manifest.parquet").to_pylist()}
     assert 0 < len(before) < len(data)  # every readable row was synthesised, not just dropped
     corpus.write_bytes(gz)  # the fixed file
-    refused = cli("run", corpus, "--out", out, "--progress", "none")
+    refused = cli("run", corpus, "--out", out, "--progress", "none", "--engine", "tone")
     assert refused.returncode == 2 and "--allow-corpus-change" in refused.stderr
-    result = run(RunConfig(corpus=corpus, out=out, progress="none", allow_corpus_change=True))
+    result = run(RunConfig(corpus=corpus, out=out, progress="none", engine="tone", allow_corpus_change=True))
     assert result.status == "complete"
     assert result.stats["items_done"] == len(data) - len(before)
     assert result.stats["corpus_changes"] == {"changed": 0, "removed": 0}

@@ -58,28 +58,28 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path):
     assert sorted(read_output(out)) == sorted(r["id"] for r in rows)
 
 
-def test_rerun_of_a_finished_job_does_nothing(tmp_path):
+def test_rerun_of_a_finished_job_does_nothing(tmp_path, tone):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(3))
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, progress="none"))
-    again = run(RunConfig(corpus=corpus, out=out, progress="none"))
+    run(tone(corpus, out))
+    again = run(tone(corpus, out))
     assert again.stats["items_done"] == 0
     assert again.stats["job_totals"]["items_done"] == 3
     assert len(read_output(out)) == 3
 
 
-def test_rerun_with_other_settings_is_refused_unless_restart(tmp_path):
+def test_rerun_with_other_settings_is_refused_unless_restart(tmp_path, tone):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, progress="none"))
-    with pytest.raises(ResumeMismatchError, match=r"noise_scale was 0.667, now 0.3"):
-        run(RunConfig(corpus=corpus, out=out, engine_options={"noise_scale": 0.3}, progress="none"))
+    run(tone(corpus, out))
+    with pytest.raises(ResumeMismatchError, match=r"base_hz was 220.0, now 300.0"):
+        run(tone(corpus, out, engine_options={"base_hz": 300.0}))
     other = write_parquet(tmp_path / "other.parquet", corpus_rows(3))
     with pytest.raises(ResumeMismatchError, match=r"corpus\.name was 'c.parquet', now 'other.parquet'"):
-        run(RunConfig(corpus=other, out=out, progress="none"))
+        run(tone(other, out))
     # Settings that do not change the audio may change between runs.
-    run(RunConfig(corpus=corpus, out=out, workers=1, window=5, progress="none"))
-    result = run(RunConfig(corpus=other, out=out, restart=True, progress="none"))
+    run(tone(corpus, out, workers=1, window=5))
+    result = run(tone(other, out, restart=True))
     assert result.stats["items_done"] == 3
     assert len(read_output(out)) == 3
 
@@ -103,7 +103,7 @@ def test_second_writer_is_refused(tmp_path):
     os.sync()
 
 
-def test_duplicate_failure_never_hides_the_first_row(tmp_path):
+def test_duplicate_failure_never_hides_the_first_row(tmp_path, tone):
     """The duplicate's failure can be committed before the first row's audio; a resume must still
     synthesise the first row (failures of duplicates are keyed by row number, not id)."""
     from cosybatch.checkpoint import DUPLICATE_ID, OutputDir
@@ -112,10 +112,10 @@ def test_duplicate_failure_never_hides_the_first_row(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
     # A run stopped by its failure limit right after committing the duplicate's failure.
-    run(RunConfig(corpus=corpus, out=out, max_failures="0", progress="none"))
+    run(tone(corpus, out, max_failures="0"))
     state = OutputDir(out).resume_state()
     assert 2 in state.failed_rows and ("x" not in state.done_ids or "x" in read_output(out))
-    result = run(RunConfig(corpus=corpus, out=out, progress="none"))
+    result = run(tone(corpus, out))
     assert result.status == "complete"
     items = read_output(out)
     assert set(items) == {"x", "y"} and items["x"]["meta"]["text"] == "First."
@@ -123,16 +123,16 @@ def test_duplicate_failure_never_hides_the_first_row(tmp_path):
     assert [(f["id"], f["row"], f["reason"]) for f in failures] == [("x", 2, DUPLICATE_ID)]
 
 
-def test_a_device_change_is_refused_with_what_differs(tmp_path):
+def test_a_device_change_is_refused_with_what_differs(tmp_path, tone):
     """CPU and CUDA audio differ in the last bits: a job started on one device is not resumed on
     the other. (No GPU here: the record of a job started on CUDA is written as CUDA would.)"""
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, limit=1, progress="none"))
+    run(tone(corpus, out, limit=1))
     job_file = out / ".cosybatch" / "job.json"
     record = json.loads(job_file.read_text())
     assert record["fingerprint"]["engine"]["device"] == "cpu"
     record["fingerprint"]["engine"]["device"] = "cuda"
     job_file.write_text(json.dumps(record))
     with pytest.raises(ResumeMismatchError, match=r"engine\.device was 'cuda', now 'cpu'"):
-        run(RunConfig(corpus=corpus, out=out, progress="none"))
+        run(tone(corpus, out))

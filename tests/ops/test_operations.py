@@ -230,6 +230,12 @@ def test_unreachable_pushgateway_does_not_fail_the_job(tmp_path):
     assert result.status == "complete"
 
 
+def test_unwritable_metrics_file_does_not_stop_the_audio(tmp_path, tone):
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
+    result = run(tone(corpus, tmp_path / "out", metrics_file=tmp_path / "no" / "such" / "m.prom"))
+    assert result.status == "complete" and result.exit_code == 0
+
+
 # -- dataset formats ---------------------------------------------------------------------------
 def test_dataset_formats_load_in_their_libraries(tmp_path):
     rows = corpus_rows(5)

@@ -156,3 +156,12 @@ def test_prompt_columns_and_the_speaker_fallback(tmp_path):
     assert next(iter(Corpus(named, Columns(voice_fallback="speaker")))).voice == "alice"
     jsonl = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "Hi.", "speaker": "bob", "prompt_wav": "x.wav"}])
     assert next(iter(Corpus(jsonl, Columns(voice_fallback="speaker")))) == Row(0, "a", "Hi.", "bob", "x.wav", None)
+
+
+def test_long_ids_with_a_common_prefix_get_distinct_short_keys():
+    from cosybatch.shards import item_key
+
+    ids = [f"https://example.com/{'a' * 150}/{i}" for i in range(1000)]
+    keys = {item_key(i) for i in ids}
+    assert len(keys) == 1000
+    assert all(len(k) + len(".json") <= 100 for k in keys)
