@@ -74,6 +74,7 @@ def test_job_spec_single_alias_is_refused(tmp_path):
     assert load_job_spec(spec) == {"voice": "en_US-lessac-medium", "batch_size": 4}
 
 
+@pytest.mark.slow
 def test_job_spec_alias_bomb_via_cli(tmp_path, corpus):
     spec = tmp_path / "spec.yaml"
     spec.write_text(alias_bomb(9))
@@ -123,6 +124,7 @@ def test_model_yaml_arithmetic_errors_are_usage_errors(model_copy, expr, reason)
     assert str(config) in message and expr[:400] in message and reason in message and len(message) < 1000
 
 
+@pytest.mark.slow
 def test_model_yaml_division_by_zero_via_cli(model_copy, corpus):
     config = model_copy / "cosyvoice2.yaml"
     config.write_text(config.read_text() + "\nbroken: !ref 1 / 0\n")
@@ -183,6 +185,7 @@ def test_bad_spk2info_is_a_usage_error(model_copy, write, capsys):
     assert "must never run" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("write", [write_reduce, write_garbage], ids=lambda f: f.__name__)
 def test_bad_spk2info_via_cli(model_copy, corpus, write):
     path = model_copy / "spk2info.pt"
@@ -250,6 +253,7 @@ def test_shard_out_of_range_is_reported(spec, tmp_path):
         RunConfig(corpus=tmp_path / "c.parquet", out=tmp_path / "out", shard_index=index, shard_count=count)
 
 
+@pytest.mark.slow
 def test_non_numeric_worker_index_via_cli(corpus, tmp_path):
     proc = cli("run", "--check", "--shard", "4", str(corpus), "--out", str(tmp_path / "out"),
                env={"JOB_COMPLETION_INDEX": "abc"})
@@ -322,6 +326,7 @@ def test_hostile_text(tmp_path):
     assert result.stats["items_failed"] == 3
 
 
+@pytest.mark.slow
 def test_truncated_corpus_is_a_bad_input_error(tmp_path):
     from cosybatch.corpus import Corpus
 
@@ -355,6 +360,7 @@ def test_ids_that_are_not_unicode_fail_alone(tmp_path, tone):
     assert result.stats["items_failed"] == 2
 
 
+@pytest.mark.slow
 def test_usage_errors_exit_2():
     cases = [["run", "nope.parquet", "--batch-size", "0"], ["run", "x.parquet", "--max-runtime", "soon"],
              ["run", "--no-such-option"], ["run", "x.parquet", "--max-runtime", "nan"],

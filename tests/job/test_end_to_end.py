@@ -15,6 +15,7 @@ from cosybatch.config import RunConfig
 from cosybatch.job import run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "jsonl.gz"])
 def test_run_writes_every_id_once(tmp_path, texts, fmt):
     rows = [{"id": f"row-{i}", "text": t} for i, t in enumerate(texts)]
@@ -109,6 +110,7 @@ def test_voice_column_selects_the_voice_per_row(tmp_path, texts):
     assert result.stats["items_failed"] == 2
 
 
+@pytest.mark.slow
 def test_help_is_fast_and_imports_no_engine():
     code = (
         "import sys\n"
@@ -123,6 +125,7 @@ def test_help_is_fast_and_imports_no_engine():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_readme_main_job_on_the_example_corpus(tmp_path):
     """The README's run command, on the committed example corpus, as a new user runs it."""
     from helpers import ROOT
@@ -147,6 +150,7 @@ def test_readme_main_job_on_the_example_corpus(tmp_path):
     assert jsonl_ids == expected
 
 
+@pytest.mark.slow
 def test_bad_rows_are_recorded_and_good_rows_still_written(tmp_path, texts):
     corpus = tmp_path / "c.jsonl"
     corpus.write_bytes(

@@ -21,6 +21,8 @@ from cosybatch.config import RunConfig
 from cosybatch.errors import CorpusError, ResumeMismatchError
 from cosybatch.job import run
 from cosybatch.shards import MAX_KEY_CHARS, item_key
+from cosybatch.status import job_status
+from cosybatch.verify import verify as verify_output
 
 SHORT = ["Yes.", "Good morning.", "No.", "Why not?", "Fine.", "Hello there.", "Thanks.", "Go on."]
 
@@ -34,7 +36,10 @@ def config(corpus: Path, out: Path, **kw) -> RunConfig:
     return RunConfig(corpus=corpus, out=out, progress="none", **{"engine": "tone", "shard_max_items": 3, **kw})
 
 
-def verify(out: Path) -> dict:
+def verify(out: Path, command: bool = False) -> dict:
+    """verify's report: in process, or from `cosybatch verify --json` (exit 0 when ok, else 3)."""
+    if not command:
+        return verify_output(out)
     proc = cli("verify", out, "--json")
     result = json.loads(proc.stdout.splitlines()[-1])
     assert proc.returncode == (0 if result["ok"] else 3), proc.stderr
@@ -117,14 +122,14 @@ def finished(tmp_path):
 def test_a_deleted_shard_is_synthesised_again(finished):
     corpus, out, ids = finished
     (out / "shard-000001.tar").unlink()
-    status = json.loads(cli("status", out, "--json").stdout)
+    status = job_status(out)  # what `cosybatch status --json` prints
     assert status["status"] == "damaged" and "shard-000001.tar is missing" in status["problems"][0]
     result = run(config(corpus, out))
     assert result.status == "complete" and result.exit_code == 0
     assert result.stats["items_done"] == 3  # exactly the lost ones
     assert "shard-000001.tar is missing: 3 items will be synthesised again" in result.stats["repairs"][0]
     assert_exactly_once(out, ids)
-    assert json.loads(cli("status", out, "--json").stdout)["status"] == "complete"
+    assert job_status(out)["status"] == "complete"
 
 
 def test_a_truncated_shard_keeps_its_whole_items(finished):
@@ -197,6 +202,7 @@ def _killed_after_commits(corpus: Path, out: Path, n: int) -> None:
     proc.wait()
 
 
+@pytest.mark.slow
 def test_a_missing_open_shard_is_synthesised_again(tmp_path):
     data = rows(40)
     corpus = write_parquet(tmp_path / "c.parquet", data)
@@ -211,6 +217,7 @@ def test_a_missing_open_shard_is_synthesised_again(tmp_path):
     assert_exactly_once(out, [r["id"] for r in data])
 
 
+@pytest.mark.slow
 def test_a_shortened_open_shard_keeps_what_is_whole(tmp_path):
     data = rows(40)
     corpus = write_parquet(tmp_path / "c.parquet", data)
@@ -255,9 +262,10 @@ def test_run_never_reports_complete_over_a_shard_lost_during_the_run(tmp_path, m
     assert_exactly_once(out, [r["id"] for r in data])
 
 
+@pytest.mark.slow
 def test_verify_reads_every_shard_whole(finished):
     _corpus, out, ids = finished
-    result = verify(out)
+    result = verify(out, command=True)
     assert result["ok"] and result["items"] == len(ids) and result["shards"] == 3
     # Damage that keeps every size: a header block overwritten in the middle of a shard.
     shard = out / "shard-000001.tar"
@@ -267,7 +275,7 @@ def test_verify_reads_every_shard_whole(finished):
         f.seek(third.offset)
         f.write(b"\xff" * 512)
     (out / "shard-000002.tar").unlink()
-    result = verify(out)
+    result = verify(out, command=True)
     assert not result["ok"]
     problems = "\n".join(result["problems"])
     assert "shard-000001.tar: unreadable past its last whole member" in problems
@@ -296,6 +304,7 @@ def test_an_edit_in_the_middle_of_a_large_corpus_is_a_change(tmp_path):
     assert run(config(corpus, out, limit=2, allow_corpus_change=True)).status == "complete"
 
 
+@pytest.mark.slow
 def test_a_fixed_truncated_corpus_is_continued_with_allow_corpus_change(tmp_path):
     data = [{"id": f"t{i}", "text": f"{SHORT[i % len(SHORT)]} Number {i}."} for i in range(60)]
     whole = "".join(json.dumps(r) + "\n" for r in data).encode()

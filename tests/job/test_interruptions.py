@@ -29,6 +29,7 @@ from cosybatch.job import run
 from cosybatch.shards import ShardWriter
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments(tmp_path):
     rows = corpus_rows(40)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
@@ -53,6 +54,7 @@ def test_kill_9_at_random_moments(tmp_path):
     assert sum(done_per_run) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signals_end_cleanly_with_exit_4(tmp_path, sig):
     rows = corpus_rows(30)
@@ -69,6 +71,7 @@ def test_signals_end_cleanly_with_exit_4(tmp_path, sig):
     assert_complete(out, rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["typer", "onnxruntime"])
 def test_sigterm_during_start_up_exits_4(tmp_path, module):
     """SIGTERM while the command is still importing its modules (typer: the CLI; onnxruntime:
@@ -88,6 +91,7 @@ def test_sigterm_during_start_up_exits_4(tmp_path, module):
     assert json.loads(stdout.splitlines()[-1])["status"] in {"typer": {"error"}, "onnxruntime": {"interrupted"}}[module]
 
 
+@pytest.mark.slow
 def test_max_runtime_ends_resumable(tmp_path):
     # 400 rows take well over a minute here: a 3 s limit always stops the run, whether it stops
     # during the model load (a busy machine) or after some commits.
@@ -137,6 +141,7 @@ def _can_mount_tmpfs(path: Path) -> bool:
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_real_full_disk_then_more_space(tmp_path):
     mnt = tmp_path / "small"
     if not _can_mount_tmpfs(mnt):
@@ -159,6 +164,7 @@ def test_real_full_disk_then_more_space(tmp_path):
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_disk_full_at_start_is_resumable_too(tmp_path):
     mnt = tmp_path / "small"
     if not _can_mount_tmpfs(mnt):

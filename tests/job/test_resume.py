@@ -16,6 +16,7 @@ from cosybatch.errors import ResumeMismatchError
 from cosybatch.job import run
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
     rows = corpus_rows(30)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
@@ -39,6 +40,7 @@ def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
         assert len(item["audio"]) == item["meta"]["num_samples"] > 0
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resumes(tmp_path):
     rows = corpus_rows(30)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
@@ -84,6 +86,7 @@ def test_rerun_with_other_settings_is_refused_unless_restart(tmp_path, tone):
     assert len(read_output(out)) == 3
 
 
+@pytest.mark.slow
 def test_second_writer_is_refused(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(30))
     out = tmp_path / "out"

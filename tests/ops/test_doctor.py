@@ -20,6 +20,7 @@ no_gpu_only = pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
 
 
 # -- cosybatch doctor ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_doctor_reports_the_install():
     proc = cli("doctor", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -41,6 +42,7 @@ def test_doctor_reports_the_install():
         assert needle in text.stdout
 
 
+@pytest.mark.slow
 @no_gpu_only
 def test_doctor_device_cuda_fails_without_a_gpu():
     proc = cli("doctor", "--device", "cuda")
@@ -54,6 +56,7 @@ def test_doctor_device_cuda_fails_without_a_gpu():
     assert list(report["engines"]) == ["piper"]
 
 
+@pytest.mark.slow
 def test_doctor_unknown_engine_is_a_usage_error():
     proc = cli("doctor", "--engine", "nope")
     assert proc.returncode == EXIT_USAGE and "unknown engine" in proc.stderr
@@ -151,6 +154,7 @@ def test_ort_cuda_problem_needs_the_provider_and_a_gpu(monkeypatch):
 
 
 # -- run --check --device cuda fails as the run does ----------------------------------------
+@pytest.mark.slow
 @no_gpu_only
 def test_check_device_cuda_fails_like_the_run(tmp_path):
     out = tmp_path / "out"
@@ -196,6 +200,7 @@ def test_check_uses_torch_for_torch_engines(tmp_path, monkeypatch, cosyvoice_dir
 
 
 # -- a failed start leaves no half-made folder -------------------------------------------------
+@pytest.mark.slow
 def test_a_bad_model_leaves_no_folder(tmp_path):
     out = tmp_path / "deep" / "out"
     proc = cli("run", str(CORPUS), "--engine", "cosyvoice", "--model", str(tmp_path / "missing"), "--out", str(out))
@@ -203,6 +208,7 @@ def test_a_bad_model_leaves_no_folder(tmp_path):
     assert not (tmp_path / "deep").exists()
 
 
+@pytest.mark.slow
 def test_a_voice_that_fails_to_load_leaves_no_folder(tmp_path):
     from cosybatch.engines.piper import bundled_voice
 
@@ -215,6 +221,7 @@ def test_a_voice_that_fails_to_load_leaves_no_folder(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_start_keeps_a_folder_that_existed(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
@@ -228,6 +235,7 @@ def test_a_failed_start_keeps_a_folder_that_existed(tmp_path):
     assert empty.is_dir() and not any(empty.iterdir())
 
 
+@pytest.mark.slow
 def test_a_failed_start_of_a_sharded_worker_leaves_no_folder(tmp_path):
     out = tmp_path / "sharded"
     proc = cli("run", str(tmp_path / "no-such-corpus.jsonl"), "--out", str(out), "--shard", "0/2")
@@ -235,6 +243,7 @@ def test_a_failed_start_of_a_sharded_worker_leaves_no_folder(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_started_job_is_never_removed(tmp_path, monkeypatch):
     """Once job.json is written the folder is the job's, whatever happens next."""
     out = tmp_path / "out"
@@ -296,3 +305,14 @@ def test_the_gpu_install_files_agree():
     assert pins == [f"onnxruntime=={version}"]
     readme = (ROOT / "README.md").read_text()
     assert "pip install ./gpu/onnxruntime" in readme and f"onnxruntime-gpu=={version.removesuffix('+gpu')}" in readme
+
+
+# -- --version ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_version_needs_no_command():
+    from cosybatch import __version__
+
+    proc = cli("--version")
+    assert (proc.returncode, proc.stdout.strip()) == (0, __version__), proc.stderr

@@ -20,6 +20,7 @@ def installed():
         pytest.fail("the test plugin is not installed: pip install --no-deps ./tests/plugin (as .ci/run does)")
 
 
+@pytest.mark.slow
 def test_the_plugin_is_listed_with_its_options():
     listing = json.loads(cli("engines", "--json").stdout)
     assert {"piper", "cosyvoice", "tone"} <= set(listing)
@@ -27,6 +28,7 @@ def test_the_plugin_is_listed_with_its_options():
     assert listing["tone"]["options"]["base_hz"].startswith("Lowest pitch")
 
 
+@pytest.mark.slow
 def test_a_plugin_engine_gets_batching_shards_failures_and_resume(tmp_path):
     rows = [{"id": f"t{i}", "text": t} for i, t in enumerate(TEXTS * 3)] + [{"id": "long", "text": "x" * 50}]
     corpus = write_jsonl(tmp_path / "c.jsonl", rows)
@@ -55,6 +57,7 @@ def test_a_plugin_engine_gets_batching_shards_failures_and_resume(tmp_path):
     assert json.loads(cli("verify", out, "--json").stdout)["ok"]
 
 
+@pytest.mark.slow
 def test_plugin_options_are_checked_with_errors_that_name_the_key(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "Hi."}])
     typo = cli("run", corpus, "--engine", "tone", "--engine-opt", "base=3", "--check")

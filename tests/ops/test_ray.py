@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from cosybatch.corpus import Row  # noqa: E402
 from cosybatch.job import run  # noqa: E402
 from cosybatch.ray_run import RayOptions, SynthWorker, ray_run  # noqa: E402
 
+# Each test starts a local Ray cluster (or a ray-run driver): seconds of start-up apiece.
+pytestmark = pytest.mark.slow
 
 def rows(n: int) -> list[dict]:
     words = ["red", "green", "blue", "small", "large", "quiet", "bright"]
@@ -149,3 +153,72 @@ def test_a_bad_voice_is_a_usage_error_before_the_cluster_starts(tmp_path):
     with pytest.raises(VoiceError, match="no-such-voice"):
         ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", voice="no-such-voice"), RayOptions(actors=1))
     assert not ray.is_initialized()
+
+
+# -- ray-run stopped by SIGTERM ----------------------------------------------------------------
+
+
+def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_complete(tmp_path, monkeypatch):
+    """SIGTERM is sent from inside the driver at a known point: once when the first chunk comes
+    back (rows are still unread: interrupted, exit 4), then, on the rerun, once every chunk has
+    been dispatched and has finished (nothing was cut short: complete, exit 0)."""
+    import logging
+    import signal
+
+    pytest.importorskip("ray")
+    from helpers import read_output
+
+    from cosybatch import ray_run as ray_module
+    from cosybatch.ray_run import RayOptions, ray_run
+
+    handled = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "finishing the chunks in flight" in record.getMessage():
+                handled.append(record)
+
+    def sigterm_and_wait_until_handled():
+        before = len(handled)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while len(handled) == before:  # the driver's handler runs on this (the main) thread
+            assert time.monotonic() < deadline, "the SIGTERM handler never ran"
+            time.sleep(0.01)
+
+    when = {"point": "first chunk"}
+
+    class Progress(ray_module.Progress):
+        def update(self, items, audio_s):
+            super().update(items, audio_s)
+            if when["point"] == "first chunk":
+                when["point"] = None
+                sigterm_and_wait_until_handled()
+
+        def close(self):
+            super().close()
+            if when["point"] == "all finished":
+                when["point"] = None
+                sigterm_and_wait_until_handled()
+
+    seen = Seen()
+    logging.getLogger("cosybatch").addHandler(seen)
+    monkeypatch.setattr(ray_module, "Progress", Progress)
+    data = [{"id": f"r{i}", "text": f"Row {i} is here."} for i in range(24)]
+    corpus = write_parquet(tmp_path / "c.parquet", data)
+    cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")
+    try:
+        first = ray_run(cfg, RayOptions(actors=1, rows_per_task=4))
+        assert (first.status, first.exit_code) == ("interrupted", 4)
+        assert 0 < len(read_output(cfg.out)) < len(data)
+
+        when["point"] = "all finished"
+        second = ray_run(cfg, RayOptions(actors=1, rows_per_task=4))
+        assert when["point"] is None and len(handled) == 2  # the SIGTERM did come, after the last chunk
+        assert (second.status, second.exit_code) == ("complete", 0)
+    finally:
+        logging.getLogger("cosybatch").removeHandler(seen)
+    assert sorted(read_output(cfg.out)) == sorted(r["id"] for r in data)
+    assert json.loads((cfg.out / "stats.json").read_text())["status"] == "complete"
+    handler = signal.getsignal(signal.SIGTERM)  # Ray's own, or the default: not the finished run's
+    assert not getattr(handler, "__qualname__", "").startswith("ray_run.")

@@ -79,6 +79,7 @@ def clear_alloc_env(monkeypatch) -> None:
         monkeypatch.delenv(name)
 
 
+@pytest.mark.slow
 def test_allocator_set_before_torch_is_imported(tmp_path):
     result, seen = run_child(tmp_path, None)
     assert result["torch_before"] is False  # importing cosybatch.gpu does not import torch
@@ -87,6 +88,7 @@ def test_allocator_set_before_torch_is_imported(tmp_path):
     assert result["cuda_init"] is False
 
 
+@pytest.mark.slow
 def test_user_allocator_setting_is_kept(tmp_path):
     result, seen = run_child(tmp_path, "expandable_segments:True")
     assert seen == "expandable_segments:True"

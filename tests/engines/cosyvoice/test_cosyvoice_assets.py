@@ -226,6 +226,7 @@ def _stub_module(name: str, **attrs) -> types.ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_blank_en_with_upstream_qwen_tokenizer(assets, monkeypatch):
     pytest.importorskip("transformers")
     import upstream

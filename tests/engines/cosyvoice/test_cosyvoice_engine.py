@@ -60,6 +60,7 @@ def run_row(engine, text: str, item_id: str, voice: VoiceRequest) -> tuple[np.nd
     return np.concatenate(syn.audio), syn.real_frames
 
 
+@pytest.mark.slow
 def test_run_every_row_once_with_exact_lengths(cosyvoice_dir, corpus, engine, tmp_path):
     out = tmp_path / "out"
     proc = cli("run", str(corpus), "--engine", "cosyvoice", "--model", str(cosyvoice_dir), "--out", str(out),
@@ -99,6 +100,7 @@ def test_run_every_row_once_with_exact_lengths(cosyvoice_dir, corpus, engine, tm
     assert items["sft-a"]["meta"]["voice"] == "spk:alice"
 
 
+@pytest.mark.slow
 def test_resume_completes_without_duplicates(cosyvoice_dir, corpus, tmp_path):
     out = tmp_path / "out"
     base = ["run", str(corpus), "--engine", "cosyvoice", "--model", str(cosyvoice_dir), "--out", str(out),
@@ -134,6 +136,7 @@ def test_item_audio_does_not_depend_on_its_batch(engine):
     assert snr > 60, "batched audio must equal the item's own (up to float rounding)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "message"), [
     (["--speaker", "carol"], "unknown speaker 'carol'"),
     (["--prompt-wav", "nope.wav", "--prompt-text", "x"], "nope.wav"),
@@ -151,6 +154,7 @@ def test_bad_job_level_voice_or_device_is_a_usage_error(cosyvoice_dir, corpus, t
     assert message in proc.stderr
 
 
+@pytest.mark.slow
 def test_cosyvoice_needs_a_model(corpus, tmp_path):
     proc = cli("run", str(corpus), "--engine", "cosyvoice", "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "--model" in proc.stderr
@@ -158,6 +162,7 @@ def test_cosyvoice_needs_a_model(corpus, tmp_path):
     assert proc.returncode == 2 and "--engine cosyvoice" in proc.stderr
 
 
+@pytest.mark.slow
 def test_check_validates_the_speaker_without_loading_weights(cosyvoice_dir, corpus, tmp_path):
     base = ["run", str(corpus), "--engine", "cosyvoice", "--model", str(cosyvoice_dir), "--check"]
     ok = cli(*base, "--speaker", "alice")
@@ -167,6 +172,7 @@ def test_check_validates_the_speaker_without_loading_weights(cosyvoice_dir, corp
     assert bad.returncode == 2 and "unknown speaker 'zed'" in bad.stderr and "alice, bob" in bad.stderr
 
 
+@pytest.mark.slow
 def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus, tmp_path):
     """A folder whose yaml keeps one candidate (top_k 1) and never falls back (tau_r 2) decodes
     greedily; KEY.json says which settings made the audio."""

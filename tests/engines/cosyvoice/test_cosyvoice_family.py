@@ -94,6 +94,7 @@ def test_v2_instruction_is_the_lm_prompt_and_replaces_prompt_speech(v2_engine):
     assert again.payloads[0].prompt_text_tokens == seg.prompt_text_tokens
 
 
+@pytest.mark.slow
 def test_instruct_rows_run_and_are_recorded(cosyvoice_dir, prompt_folder, tmp_path):
     corpus = write_jsonl(prompt_folder / "instruct.jsonl", [
         {"id": "plain", "text": "Hello there.", "speaker": "alice"},
@@ -123,6 +124,7 @@ def test_instruct_rows_run_and_are_recorded(cosyvoice_dir, prompt_folder, tmp_pa
         assert item["audio"].size > 0 and item["meta"]["num_samples"] == item["audio"].size
 
 
+@pytest.mark.slow
 def test_engines_that_cannot_follow_instructions_fail_only_those_rows(tmp_path):
     corpus = write_jsonl(tmp_path / "piper.jsonl", [
         {"id": "ok", "text": "A plain row."},
@@ -163,6 +165,7 @@ def test_v1_check_reports_the_family(cosyvoice_v1_dir, cosyvoice_v1_instruct_dir
         check_setup(cosyvoice_v1_dir, None, None, None, flow_backend="onnx")
 
 
+@pytest.mark.slow
 def test_v1_sft_zero_shot_and_cross_lingual_rows(cosyvoice_v1_dir, prompt_folder, tmp_path):
     speakers = check_setup(cosyvoice_v1_dir, None, None, None)["speakers"]
     corpus = family_corpus(prompt_folder, "v1", [
@@ -181,6 +184,7 @@ def test_v1_sft_zero_shot_and_cross_lingual_rows(cosyvoice_v1_dir, prompt_folder
         assert item["meta"]["settings"]["family"] == "CosyVoice-300M-SFT"
 
 
+@pytest.mark.slow
 def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosyvoice_v1_instruct_dir,
                                                                            prompt_folder, tmp_path):
     model = cosyvoice_v1_instruct_dir
@@ -211,6 +215,7 @@ def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosy
 
 
 # -- Fun-CosyVoice3 ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_v3_zero_shot_cross_lingual_and_instruct_rows(cosyvoice_v3_dir, prompt_folder, tmp_path):
     report = check_setup(cosyvoice_v3_dir, None, None, None)
     assert (report["family"], report["version"], report["sample_rate"]) == ("Fun-CosyVoice3-0.5B", 3, 24000)

@@ -55,6 +55,7 @@ def oracle(cosyvoice_dir):
     return upstream.token2wav_models(cosyvoice_dir)
 
 
+@pytest.mark.slow
 def test_flow_batch_matches_upstream_single_items(t2w, oracle):
     up_flow, _ = oracle
     items = make_items()
@@ -78,6 +79,7 @@ def test_flow_item_does_not_depend_on_its_batch(t2w):
     assert (batch[0][:, :6] - alone).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_token2wav_matches_upstream_chain(t2w, oracle):
     up_flow, up_hift = oracle
     items = make_items()

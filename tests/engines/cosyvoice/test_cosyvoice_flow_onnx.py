@@ -202,6 +202,7 @@ def test_unwritable_cache_is_a_clear_error(cosyvoice_dir, tmp_path):
         Token2Wav(cosyvoice_dir, flow_backend="onnx", onnx_cache=blocker)
 
 
+@pytest.mark.slow
 def test_cli_run_with_flow_backend_onnx(cosyvoice_dir, xdg_cache, t2w_onnx, tmp_path):
     corpus = write_parquet(tmp_path / "corpus.parquet", [
         {"id": "a", "text": "Hello there."},

@@ -78,6 +78,7 @@ def run_batch(model: HiFT, mels: list[torch.Tensor], seeds: list[int], pad_value
     return model(batch, lengths, generators)
 
 
+@pytest.mark.slow
 def test_batch_matches_upstream_item_by_item(reference, ours):
     gen = torch.Generator().manual_seed(7)
     lengths = [37, 20, 5]
@@ -106,6 +107,7 @@ def test_batch_matches_upstream_item_by_item(reference, ours):
         assert torch.all(audio[i, samples[i] :] == 0)
 
 
+@pytest.mark.slow
 def test_item_does_not_depend_on_batch_partners(ours):
     gen = torch.Generator().manual_seed(8)
     item = torch.randn(80, 20, generator=gen)
@@ -122,6 +124,7 @@ def test_item_does_not_depend_on_batch_partners(ours):
     assert (reseeded[0] - alone[0]).abs().max().item() > 1e-4
 
 
+@pytest.mark.slow
 def test_source_ignores_f0_past_the_item_end(ours):
     # forward zeroes F0 on padded frames; the source must not depend on that to end each item as alone.
     gen = torch.Generator().manual_seed(12)
@@ -134,6 +137,7 @@ def test_source_ignores_f0_past_the_item_end(ours):
     assert (batch[1, :, : 6 * HOP] - alone[0]).abs().max().item() <= 1e-6
 
 
+@pytest.mark.slow
 def test_vocode_matches_forward(ours):
     gen = torch.Generator().manual_seed(9)
     mels = [torch.randn(80, 11, generator=gen), torch.randn(80, 4, generator=gen)]
@@ -163,6 +167,7 @@ def _old_style_state(reference) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.slow
 def test_loads_both_weight_norm_styles_and_prefix(reference, ours):
     old = HiFT(**CONFIG, f0_predictor=dict(F0_CONFIG)).eval()
     load_hift_state(old, _old_style_state(reference))
@@ -182,6 +187,7 @@ def test_loads_both_weight_norm_styles_and_prefix(reference, ours):
     assert (a - b).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 def test_mismatched_state_is_named(reference):
     model = HiFT(**CONFIG, f0_predictor=dict(F0_CONFIG))
     state = dict(reference.state_dict())

@@ -46,6 +46,7 @@ def lm(cosyvoice_dir):
     return model
 
 
+@pytest.mark.slow
 def test_greedy_batch_matches_upstream_token_for_token(lm, cosyvoice_dir):
     reference = upstream_greedy(cosyvoice_dir)
     reqs = requests()
@@ -172,6 +173,7 @@ def upstream_greedy(cosyvoice_dir):
     return run
 
 
+@pytest.mark.slow
 def test_slot_pool_greedy_matches_upstream_while_rows_come_and_go(lm, cosyvoice_dir):
     """Three slots for eight rows of 20 to 400 tokens: rows are admitted as others stop, the pool
     shrinks at the end, and every row is token-identical to upstream's single-row decode."""

@@ -105,6 +105,7 @@ def upstream_tokenizer(blank_en):
 # ---------------------------------------------------------------------------------------------- tokenizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", PARITY_TEXTS)
 def test_tokenizer_matches_upstream(tokenizer, upstream_tokenizer, text):
     ids = tokenizer.encode(text)
@@ -112,6 +113,7 @@ def test_tokenizer_matches_upstream(tokenizer, upstream_tokenizer, text):
     assert tokenizer.decode(ids) == upstream_tokenizer.decode(ids)
 
 
+@pytest.mark.slow
 def test_tokenizer_special_tokens_match_upstream(tokenizer, upstream_tokenizer):
     hf = upstream_tokenizer.tokenizer
     assert tokenizer.vocab_size == len(tokenizer) == len(hf)
@@ -123,6 +125,7 @@ def test_tokenizer_special_tokens_match_upstream(tokenizer, upstream_tokenizer):
     assert tokenizer.encode_batch(PARITY_TEXTS[:5]) == [tokenizer.encode(t) for t in PARITY_TEXTS[:5]]
 
 
+@pytest.mark.slow
 def test_tokenizer_reads_tokenizer_json(blank_en, tmp_path, upstream_tokenizer):
     from transformers import AutoTokenizer
 
@@ -295,6 +298,7 @@ def test_split_keeps_quotes_and_repeated_stops(tokenizer):
         split_segments("x", enc, "fr")
 
 
+@pytest.mark.slow
 def test_split_matches_upstream_split_paragraph(tokenizer):
     upstream = pytest.importorskip("cosyvoice.utils.frontend_utils")
     texts = [

@@ -102,6 +102,7 @@ def test_mel_frames_follow_upstreams_rule(flow):
     assert mel_frames(50) == 86 and mel_frames(20) == 34
 
 
+@pytest.mark.slow
 def test_flow_batch_matches_upstream_single_items(flow, up_flow):
     items = make_items()
     batch = flow.inference(items, SEEDS)
@@ -155,6 +156,7 @@ def test_hift_v1_settings(hift):
     assert type(hift.m_source).__name__ == "SampleSineSource"
 
 
+@pytest.mark.slow
 def test_hift_single_items_match_upstream(hift, up_hift):
     gen = torch.Generator().manual_seed(1)
     for frames, seed in ((23, 3), (9, 5)):
@@ -167,6 +169,7 @@ def test_hift_single_items_match_upstream(hift, up_hift):
         assert (got - want[0]).abs().max() <= 1e-6
 
 
+@pytest.mark.slow
 def test_hift_batch_matches_upstream_and_single(hift, up_hift):
     gen = torch.Generator().manual_seed(2)
     mels = [torch.randn(80, n, generator=gen) for n in (23, 57, 9)]
@@ -209,6 +212,7 @@ def test_base_variant_has_no_speakers_and_writing_is_deterministic(tmp_path, v1_
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_folder_loads_strictly_into_upstream_lm(v1_dir, raw):
     upstream.load()
     from cosyvoice.llm.llm import TransformerLM

@@ -147,6 +147,7 @@ def requests() -> list[LMRequest]:
 # -- the LM -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_full_sequence_log_probs_equal_upstream_forward(v1_dir):
     """Upstream's training forward (speaker, text, speech tokens, causal) vs ours over the same
     sequence: the state dict loads strictly into both and every position's log-probs agree."""
@@ -176,6 +177,7 @@ def test_full_sequence_log_probs_equal_upstream_forward(v1_dir):
     assert not torch.allclose(alone[-1], got[-1], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_slot_pool_greedy_matches_upstream_inference_while_slots_refill(v1_dir):
     """Seven requests in three slots: rows are admitted as others stop, prompts of different
     lengths are prefilled together, and every row equals upstream's one-at-a-time cached decode
@@ -193,6 +195,7 @@ def test_slot_pool_greedy_matches_upstream_inference_while_slots_refill(v1_dir):
     assert len({tuple(t[:20]) for t in got}) == len(got), "rows differ (the test would catch a mix-up)"
 
 
+@pytest.mark.slow
 def test_stop_rule_and_length_limits_match_upstream(v1_dir):
     """A stop id that always wins once allowed: upstream stops right at 2x the text tokens (the
     count of ``text``, not of the prompt text), and so do we; max_tokens caps a row."""

@@ -148,6 +148,7 @@ def test_precision_is_checked():
         PiperOptions(precision="fp16")
 
 
+@pytest.mark.slow
 def test_quantize_command_prints_the_cached_model(int8_cache):
     cache, path = int8_cache
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
