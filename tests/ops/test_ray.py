@@ -22,6 +22,7 @@ from cosybatch.ray_run import RayOptions, SynthWorker, ray_run  # noqa: E402
 # Each test starts a local Ray cluster (or a ray-run driver): seconds of start-up apiece.
 pytestmark = pytest.mark.slow
 
+
 def rows(n: int) -> list[dict]:
     words = ["red", "green", "blue", "small", "large", "quiet", "bright"]
     return [{"id": f"r{i}", "text": f"Row {i} is {' '.join(words[: 1 + i % len(words)])}."} for i in range(n)]
