@@ -32,8 +32,10 @@ def rows(n: int, prefix: str = "id") -> list[dict]:
 
 
 def config(corpus: Path, out: Path, **kw) -> RunConfig:
-    """The job in process on the tone engine (tests/plugin): these tests are about the folder, not the voice."""
-    return RunConfig(corpus=corpus, out=out, progress="none", **{"engine": "tone", "shard_max_items": 3, **kw})
+    """The job in process on the tone engine (tests/plugin): these tests are about the folder, not the
+    voice. Batches of one, so that shards close at exactly 3 items (a batch commits whole)."""
+    return RunConfig(corpus=corpus, out=out, progress="none",
+                     **{"engine": "tone", "batch_size": 1, "shard_max_items": 3, **kw})
 
 
 def verify(out: Path, command: bool = False) -> dict:

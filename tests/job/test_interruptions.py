@@ -127,10 +127,10 @@ def test_disk_full_fault_keeps_committed_work_and_resumes(tmp_path, monkeypatch,
 
     monkeypatch.setattr(ShardWriter, "add", add_then_fail)
     with pytest.raises(OutputError, match=r"No space left on device.*rerun the same command to resume"):
-        run(tone(corpus, out, shard_max_items=4))
+        run(tone(corpus, out, shard_max_items=4, batch_size=1))  # a batch commits whole: batches of one
     assert committed_items(out) == 5
     monkeypatch.setattr(ShardWriter, "add", real_add)
-    result = run(tone(corpus, out, shard_max_items=4))
+    result = run(tone(corpus, out, shard_max_items=4, batch_size=1))
     assert result.stats["items_done"] == 7
     assert_complete(out, rows)
 
