@@ -1,5 +1,6 @@
 """Out of memory never ends a job: batches split and retry, the budget shrinks, a unit too big
-even alone fails its row. The engine is the real Piper voice; only the OOM is injected."""
+even alone fails its row. The engine is the tone plugin (costs are characters); only the OOM is
+injected."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import numpy as np
 import torch
 from helpers import read_output, write_parquet
 
-from cosybatch.config import RunConfig
 from cosybatch.engines import Synthesised
-from cosybatch.engines.piper import PiperEngine
 from cosybatch.executor import run_batch
 from cosybatch.job import run
 from cosybatch.plan import Batch, BudgetGuard, Unit, plan_batches
@@ -21,14 +20,16 @@ SENTENCES = ["The kettle is boiling.", "Close the window, please.", "Rain is exp
              "The library opens at nine.", "Bring a warm coat.", "The train leaves soon."]
 
 
-def run_with_oom(tmp_path, monkeypatch, name: str) -> tuple[list[tuple[int, int]], dict, list[dict]]:
+def run_with_oom(tmp_path, monkeypatch, tone, name: str) -> tuple[list[tuple[int, int]], dict, list[dict]]:
     """Run 96 short rows and one giant one with batches of up to 16, on an "accelerator" whose
-    memory holds 200 padded phoneme ids; returns the synthesize calls, stats and failures."""
+    memory holds 200 padded characters; returns the synthesize calls, stats and failures."""
+    from cosybatch_tone import ToneEngine
+
     rows = [{"id": f"r{i:03d}", "text": SENTENCES[i % len(SENTENCES)]} for i in range(96)]
     giant = "A sentence that never fits " + "and goes on " * 60 + "without a stop"
     rows.append({"id": "giant", "text": giant})
     corpus = write_parquet(tmp_path / f"{name}.parquet", rows)
-    real = PiperEngine.synthesize
+    real = ToneEngine.synthesize
     calls: list[tuple[int, int]] = []
     memory = 200
 
@@ -39,11 +40,11 @@ def run_with_oom(tmp_path, monkeypatch, name: str) -> tuple[list[tuple[int, int]
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {padded} MiB")
         return real(self, units)
 
-    monkeypatch.setattr(PiperEngine, "synthesize", flaky)
+    monkeypatch.setattr(ToneEngine, "synthesize", flaky)
     out = tmp_path / name
     # window=16: the planner cuts later windows after earlier batches have run (and shrunk the budget).
-    result = run(RunConfig(corpus=corpus, out=out, batch_size=16, batch_budget=100_000, workers=1,
-                           progress="none", window=16))
+    result = run(tone(corpus, out, batch_size=16, batch_budget=100_000, workers=1, window=16,
+                      engine_options={"max_chars": 10_000}))
     assert result.exit_code == 0
     items = read_output(out)
     assert sorted(items) == sorted(r["id"] for r in rows if r["id"] != "giant")
@@ -51,8 +52,8 @@ def run_with_oom(tmp_path, monkeypatch, name: str) -> tuple[list[tuple[int, int]
     return calls, json.loads((out / "stats.json").read_text()), failures
 
 
-def test_oom_splits_batches_shrinks_the_budget_and_fails_only_the_giant(tmp_path, monkeypatch):
-    calls, stats, failures = run_with_oom(tmp_path, monkeypatch, "guarded")
+def test_oom_splits_batches_shrinks_the_budget_and_fails_only_the_giant(tmp_path, monkeypatch, tone):
+    calls, stats, failures = run_with_oom(tmp_path, monkeypatch, tone, "guarded")
     assert [f["id"] for f in failures] == ["giant"]
     assert "out of memory even alone" in failures[0]["reason"]
     assert stats["items_done"] == 96 and stats["items_failed"] == 1
@@ -60,9 +61,9 @@ def test_oom_splits_batches_shrinks_the_budget_and_fails_only_the_giant(tmp_path
     assert stats["budget_changes"] and all(c["new_budget"] < c["old_budget"] for c in stats["budget_changes"])
     ooms = sum(padded > 200 for _, padded in calls)
 
-    # The same job with a budget that never shrinks runs out of memory more often (36 vs 26 times here).
+    # The same job with a budget that never shrinks runs out of memory more often.
     monkeypatch.setattr(BudgetGuard, "shrink", lambda self, batch: self.budget)
-    calls_fixed, stats_fixed, _ = run_with_oom(tmp_path, monkeypatch, "fixed")
+    calls_fixed, stats_fixed, _ = run_with_oom(tmp_path, monkeypatch, tone, "fixed")
     assert stats_fixed["budget_changes"] == []
     assert sum(padded > 200 for _, padded in calls_fixed) > ooms
 
