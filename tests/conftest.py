@@ -44,9 +44,10 @@ def texts() -> list[str]:
     return list(TEXTS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine():
-    """The real bundled voice on CPU, loaded once."""
+    """The real bundled voice on CPU, loaded once per module (a load is well under a second; its ONNX
+    session keeps the arena of its largest batch, about a GB, so it is not kept for the session)."""
     from cosybatch.engines import EngineOptions, open_engine
 
     return open_engine("piper", None, EngineOptions(device="cpu"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -40,33 +41,30 @@ def pair(**options):
     return one, two
 
 
-@pytest.fixture(scope="module")
-def quiet():
-    return pair(noise_scale=0.0, noise_w=0.0)
+NOISE = {"quiet": {"noise_scale": 0.0, "noise_w": 0.0}, "noisy": {}}
 
 
-@pytest.fixture(scope="module")
-def noisy():
-    return pair()
+@pytest.fixture(scope="module", params=["quiet", "noisy"], ids=["noise-off", "seeded-noise"])
+def voice(request, texts):
+    """One pair of engines (noise off, or the voice's seeded noise), the units of the test texts and
+    one mixed batch of them through each engine, computed once for the tests below. One pair at a
+    time: each ONNX session keeps the arena of its largest batch (about a GB), so the quiet pair is
+    gone before the noisy one opens."""
+    one, two = pair(**NOISE[request.param])
+    units = units_for(one, texts)
+    return SimpleNamespace(one=one, two=two, units=units, batch_one=one.synthesize(units),
+                           batch_two=two.synthesize(units))
 
 
-@pytest.fixture(scope="module")
-def batches(quiet, noisy, texts):
-    """For each pair: the units of the test texts, and one mixed batch of them through each engine
-    (computed once, shared by the tests below)."""
-    out = {}
-    for name, (one, two) in (("quiet", quiet), ("noisy", noisy)):
-        units = units_for(one, texts)
-        out[name] = (units, one.synthesize(units), two.synthesize(units))
-    return out
+quiet_only = pytest.mark.parametrize("voice", ["quiet"], indirect=True, ids=["noise-off"])
+noisy_only = pytest.mark.parametrize("voice", ["noisy"], indirect=True, ids=["seeded-noise"])
 
 
-@pytest.mark.parametrize("which", ["quiet", "noisy"], ids=["noise-off", "seeded-noise"])
-def test_same_audio_as_one_graph(request, batches, which):
+def test_same_audio_as_one_graph(voice):
     """Alone, an item's two-stage audio is bit-identical to the one graph's (noise off, and with
     noise on: the same per-item streams); in a mixed batch both are within BATCH_BOUND of it."""
-    one, two = request.getfixturevalue(which)
-    units, batch_one, batch_two = batches[which]
+    one, two = voice.one, voice.two
+    units, batch_one, batch_two = voice.units, voice.batch_one, voice.batch_two
     assert len({len(u.payload.ids) for u in units}) > 3  # mixed lengths: regrouping is exercised
     hop = one.config.hop
     # Alone: the shortest, the longest and two between (each single run costs a whole synthesis).
@@ -82,11 +80,11 @@ def test_same_audio_as_one_graph(request, batches, which):
     assert batch_two.real_frames == batch_one.real_frames  # the same frame counts, item by item
 
 
-def test_noise_streams_are_per_item(noisy, batches, texts):
+@noisy_only
+def test_noise_streams_are_per_item(voice, texts):
     """With noise on, an item's audio follows its own seed, not its batch: the same in any batch,
     different under another id."""
-    _, two = noisy
-    units, _, batch_two = batches["noisy"]
+    two, units, batch_two = voice.two, voice.units, voice.batch_two
     alone = two.synthesize([units[3]]).audio[0]
     mixed = batch_two.audio[3]
     reordered = two.synthesize(units[::-1]).audio[len(units) - 4]
@@ -96,11 +94,11 @@ def test_noise_streams_are_per_item(noisy, batches, texts):
     assert len(c) != len(alone) or np.abs(c - alone).max() > 1e-2
 
 
-def test_padding_counts_real_decoder_frames(quiet, batches):
+@quiet_only
+def test_padding_counts_real_decoder_frames(voice):
     """Padding figures come from the frame counts the graph computed: real frames are what the
     items' audio is long; padded frames are what the decoder groups computed, >= 95% real."""
-    one, _ = quiet
-    units, out_one, out_two = batches["quiet"]
+    one, units, out_one, out_two = voice.one, voice.units, voice.batch_one, voice.batch_two
     hop = one.config.hop
     assert out_two.real_frames == sum(len(a) for a in out_two.audio) // hop
     assert out_one.real_frames / out_one.padded_frames < 0.5  # the one graph pads to the longest
@@ -138,8 +136,9 @@ def test_group_by_frames_meets_the_target_with_fewest_groups(target):
             assert len(parts) >= best
 
 
-def test_split_cuts_at_the_durations(quiet):
-    _, two = quiet
+@quiet_only
+def test_split_cuts_at_the_durations(voice):
+    two = voice.two
     split = two._two_stage.split
     assert split.carried[0] == split.durations
     assert "input" not in split.stage2_inputs and "input_lengths" not in split.stage2_inputs
@@ -148,10 +147,11 @@ def test_split_cuts_at_the_durations(quiet):
     assert not set(frame_noise) & set(split.stage1_inputs)
 
 
-def test_auto_uses_two_stages_for_batches_only(quiet, texts):
+@quiet_only
+def test_auto_uses_two_stages_for_batches_only(voice, texts):
     """Unset, two stages run batches of several pieces; a single piece, and every batch at the CPU
     default of batch 1, runs the one graph (same audio), and the stage sessions are never opened."""
-    one, two = quiet
+    one, two = voice.one, voice.two
     auto = open_engine("piper", None, EngineOptions(device="cpu", engine=PiperOptions(noise_scale=0.0, noise_w=0.0)))
     units = units_for(auto, texts[:4])
     single = auto.synthesize(units[:1])
