@@ -1,26 +1,42 @@
+"""Fixtures (and the memory release between tests); shared functions live in helpers.py."""
+
 from __future__ import annotations
 
-import json
+import contextlib
+import ctypes
+import gc
+import os
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from helpers import TEXTS
 
-ROOT = Path(__file__).resolve().parent.parent
+# A job run in process leaves its engine (an ONNX session, torch modules) in reference cycles that
+# only a full collection frees, and the suite runs hundreds of tests between full collections: the
+# process grew by ~400 MB per Piper job, 11 GB in all. After any test that grew the process by more
+# than RELEASE_AFTER_BYTES, collect and hand the freed heap back to the system.
+RELEASE_AFTER_BYTES = 256 * 2**20
+_baseline = {"rss": 0}
 
-# Mixed lengths on purpose: durations must grow with text, batches must bucket by length.
-TEXTS = [
-    "Yes.",
-    "Good morning.",
-    "The kettle is boiling.",
-    "Please close the window before you leave the house.",
-    "Rain is expected this afternoon, so bring an umbrella and a warm coat.",
-    "The library opens at nine. Returns go in the slot by the door. Late fees are small.",
-    "After the long winter, the farmers checked every fence, repaired the old barn roof, and "
-    "planted rows of beans, carrots and potatoes along the southern edge of the field.",
-    "Why not?",
-]
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _release_memory() -> None:
+    gc.collect()
+    # glibc keeps freed arenas otherwise; elsewhere the collection alone frees what the cycles held.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield  # setup, call and teardown, module and session fixtures' teardown included
+    if os.path.exists("/proc/self/statm") and _rss_bytes() > _baseline["rss"] + RELEASE_AFTER_BYTES:
+        _release_memory()
+        _baseline["rss"] = _rss_bytes()
 
 
 @pytest.fixture(scope="session")
@@ -28,24 +44,10 @@ def texts() -> list[str]:
     return list(TEXTS)
 
 
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def write_jsonl(path: Path, rows: list, gz: bool = False) -> Path:
-    data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
-    if gz:
-        import gzip
-
-        data = gzip.compress(data)
-    path.write_bytes(data)
-    return path
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine():
-    """The real bundled voice on CPU, loaded once."""
+    """The real bundled voice on CPU, loaded once per module (a load is well under a second; its ONNX
+    session keeps the arena of its largest batch, about a GB, so it is not kept for the session)."""
     from cosybatch.engines import EngineOptions, open_engine
 
     return open_engine("piper", None, EngineOptions(device="cpu"))
@@ -83,3 +85,20 @@ def cosyvoice_v3_dir(tmp_path_factory) -> Path:
     from cosybatch.cosyvoice.tiny import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v3") / "Fun-CosyVoice3-0.5B-tiny", family="v3")
+
+
+@pytest.fixture(scope="session")
+def tone():
+    """RunConfig for the tone engine (tests/plugin, installed as a plugin): a job's mechanics in
+    process, in milliseconds, with no model. tone(corpus, out, **settings) -> RunConfig."""
+    from importlib.metadata import entry_points
+
+    from cosybatch.config import RunConfig
+
+    if not any(ep.name == "tone" for ep in entry_points(group="cosybatch.engines")):
+        pytest.fail("the test plugin is not installed: pip install --no-deps ./tests/plugin (as .ci/run does)")
+
+    def config(corpus: Path, out: Path, **settings) -> RunConfig:
+        return RunConfig(corpus=corpus, out=out, **{"engine": "tone", "progress": "none", **settings})
+
+    return config

@@ -1,13 +1,105 @@
-"""Reading a cosybatch output folder back the way a user would."""
+"""What the tests share besides fixtures: paths, corpus writers, the subprocess CLI, and reading a
+cosybatch output folder back the way a user would. conftest.py holds only fixtures."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import soundfile
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root (examples/, jobs/, README.md)."""
+GOLDEN = ROOT / "tests" / "golden"
+"""Recorded upstream outputs (tests/golden/make_v3_golden.py writes them)."""
+
+# Mixed lengths on purpose: durations must grow with text, batches must bucket by length.
+TEXTS = [
+    "Yes.",
+    "Good morning.",
+    "The kettle is boiling.",
+    "Please close the window before you leave the house.",
+    "Rain is expected this afternoon, so bring an umbrella and a warm coat.",
+    "The library opens at nine. Returns go in the slot by the door. Late fees are small.",
+    "After the long winter, the farmers checked every fence, repaired the old barn roof, and "
+    "planted rows of beans, carrots and potatoes along the southern edge of the field.",
+    "Why not?",
+]
+
+
+# -- corpora ---------------------------------------------------------------------------------------
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_jsonl(path: Path, rows: list, gz: bool = False) -> Path:
+    """One row a line; a str row is written as it is (to write a broken line on purpose)."""
+    data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def corpus_rows(n: int) -> list[dict]:
+    """n rows of the example sentences (ids utt/0, utt/1, ...): real text of mixed lengths."""
+    lines = [line for line in (ROOT / "examples" / "sentences.txt").read_text().splitlines() if line.strip()]
+    return [{"id": f"utt/{i}", "text": lines[i % len(lines)]} for i in range(n)]
+
+
+# -- the command line, as a user runs it -----------------------------------------------------------
+def cli(*args, env: dict | None = None, cwd: Path | None = ROOT, timeout: float = 600,
+        check: bool = False) -> subprocess.CompletedProcess:
+    """`python -m cosybatch ARGS` in a subprocess (Path arguments welcome). env adds to this
+    process's environment; check=True fails the test on a non-zero exit, with both streams."""
+    proc = subprocess.run([sys.executable, "-m", "cosybatch", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}")
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON summary line every command ends its stdout with."""
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def start_run(corpus: Path, out: Path, *extra, shard_max_items: int = 4, progress: str = "log") -> subprocess.Popen:
+    """`cosybatch run CORPUS --out OUT EXTRA` in the background, to be signalled or killed."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out), "--shard-max-items",
+         str(shard_max_items), "--progress", progress, *map(str, extra)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+# -- reading a job's folder back -------------------------------------------------------------------
+def journal(out: Path) -> list[dict]:
+    from cosybatch.store.checkpoint import Journal
+
+    return list(Journal.read(out / ".cosybatch" / "journal.jsonl"))
+
+
+def committed_items(out: Path) -> int:
+    """Items the journal records as committed (0 before the folder has a journal)."""
+    return sum(len(r["items"]) for r in journal(out) if r["t"] == "items")
+
+
+def wait_for_items(out: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> None:
+    """Until the background run has committed n items; fails if it ends or stalls first."""
+    deadline = time.monotonic() + timeout
+    while committed_items(out) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "run made no progress"
+        time.sleep(0.05)
 
 
 def read_output(out: Path) -> dict[str, dict]:
@@ -22,4 +114,14 @@ def read_output(out: Path) -> dict[str, dict]:
             audio, sr = soundfile.read(io.BytesIO(members[f"{key}.wav"]), dtype="float32")
             assert meta["id"] not in items, f"id {meta['id']!r} written twice"
             items[meta["id"]] = {"meta": meta, "audio": audio, "sample_rate": sr, "shard": shard.name, "key": key}
+    return items
+
+
+def assert_complete(out: Path, rows: list[dict]) -> dict:
+    """Every row's id once, every tar opens, every WAV decodes to its recorded length, no .partial left."""
+    items = read_output(out)
+    assert sorted(items) == sorted(r["id"] for r in rows)
+    assert not list(out.glob("*.partial"))
+    for item in items.values():
+        assert len(item["audio"]) == item["meta"]["num_samples"] > 0
     return items

@@ -1,0 +1,225 @@
+"""`cosybatch ray-run` on a local Ray cluster started by the test (CPU, 2 actors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import read_output, write_parquet
+
+ray = pytest.importorskip("ray")
+
+from cosybatch.config import RunConfig  # noqa: E402
+from cosybatch.corpus import Row  # noqa: E402
+from cosybatch.run.local import run  # noqa: E402
+from cosybatch.run.ray import RayOptions, SynthWorker, ray_run  # noqa: E402
+
+# Each test starts a local Ray cluster (or a ray-run driver): seconds of start-up apiece.
+pytestmark = pytest.mark.slow
+
+
+def rows(n: int) -> list[dict]:
+    words = ["red", "green", "blue", "small", "large", "quiet", "bright"]
+    return [{"id": f"r{i}", "text": f"Row {i} is {' '.join(words[: 1 + i % len(words)])}."} for i in range(n)]
+
+
+def test_hundred_rows_every_id_once_and_same_bytes_as_run(tmp_path):
+    data = rows(100)
+    corpus = write_parquet(tmp_path / "c.parquet", data)
+    result = ray_run(RunConfig(corpus=corpus, out=tmp_path / "ray", progress="none"),
+                     RayOptions(actors=2, rows_per_task=16))
+    assert result.status == "complete" and result.stats["items_done"] == 100
+    items = read_output(tmp_path / "ray")
+    from cosybatch.store.status import job_status
+
+    status = job_status(tmp_path / "ray")
+    assert (status["status"], status["done"], status["failed"]) == ("complete", 100, 0)
+    assert sorted(items) == sorted(r["id"] for r in data)
+    assert not list((tmp_path / "ray").glob("*.partial"))
+
+    import pyarrow.parquet as pq
+    import webdataset as wds
+
+    manifest = pq.read_table(tmp_path / "ray" / "manifest.parquet").to_pylist()
+    assert sorted(m["id"] for m in manifest) == sorted(items)
+    shards = sorted(str(p) for p in (tmp_path / "ray").glob("shard-*.tar"))
+    assert sum(1 for _ in wds.WebDataset(shards, shardshuffle=False)) == 100
+
+    # The same rows through `cosybatch run`: per-item seeded noise makes the audio identical.
+    run(RunConfig(corpus=corpus, out=tmp_path / "local", limit=12, progress="none"))
+    local = read_output(tmp_path / "local")
+    for item_id, item in local.items():
+        assert (items[item_id]["audio"] == item["audio"]).all()
+        assert items[item_id]["meta"]["text"] == item["meta"]["text"]
+
+
+def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
+    data = rows(100)
+    corpus = write_parquet(tmp_path / "c.parquet", data)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "cosybatch", "ray-run", str(corpus), "--out", str(out),
+                             "--actors", "2", "--rows-per-task", "8", "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while len(list(out.glob("shard-*.tar"))) < 3:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+    finished_before = len(read_output(out))
+    assert 0 < finished_before < 100
+
+    result = ray_run(RunConfig(corpus=corpus, out=out, progress="none"), RayOptions(actors=2, rows_per_task=8))
+    assert result.status == "complete"
+    assert result.stats["items_done"] == 100 - finished_before  # finished shards were not redone
+    items = read_output(out)  # raises if any id is in two shards
+    assert sorted(items) == sorted(r["id"] for r in data)
+
+
+def test_a_retried_chunk_rewrites_the_same_shard(tmp_path):
+    """Ray retries a chunk whose actor died; the retry must not add a second copy of its rows."""
+    from cosybatch.store.checkpoint import OutputDir
+
+    corpus = write_parquet(tmp_path / "c.parquet", rows(3))
+    cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")
+    OutputDir(cfg.out).state.mkdir(parents=True)
+    worker = SynthWorker(cfg, "cpu")
+    chunk = [Row(i, r["id"], r["text"]) for i, r in enumerate(rows(3))]
+    first = worker.process(chunk)
+    second = worker.process(list(reversed(chunk)))
+    assert first["items"][0]["shard"] == second["items"][0]["shard"]
+    assert len(list(cfg.out.glob("shard-*.tar"))) == 1
+    assert sorted(read_output(cfg.out)) == ["r0", "r1", "r2"]
+
+
+def test_options_ray_run_cannot_honour_are_refused(tmp_path):
+    from cosybatch.errors import UsageError
+
+    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
+    with pytest.raises(UsageError, match="ray-run does not support metrics_file"):
+        ray_run(RunConfig(corpus=corpus, out=tmp_path / "o", metrics_file=tmp_path / "m.prom"), RayOptions())
+
+
+def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
+    """U+0085 and U+2028 are line breaks to str.splitlines; inside JSON strings they are text."""
+    import json
+
+    lines = [{"id": "a", "text": "Åse went home."}, {"id": "b", "text": "One\u2028two."}, {"text": "x", "id": "c"}]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
+    result = ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", progress="none"), RayOptions(actors=1))
+    items = read_output(tmp_path / "out")
+    assert set(items) == {"a", "b", "c"} and result.stats["items_failed"] == 0
+    assert [items[k]["meta"]["row"] for k in "abc"] == [0, 1, 2]
+
+
+def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_dir, monkeypatch):
+    """One executor: ray-run's actors size batches from the engine exactly as `run` does, and the
+    driver never opens an engine (on a GPU it would start CUDA and pre-allocate the pool)."""
+    from cosybatch.run import executor
+
+    texts = ["Hello there.", "A somewhat longer sentence for the model.", "Yes.", "Good morning to you all.",
+             "The rain stopped at noon.", "No.", "Bright lights, big city.", "Thanks a lot."]
+    corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"c{i}", "text": t} for i, t in enumerate(texts)])
+    cfg = RunConfig(corpus=corpus, out=tmp_path / "local", engine="cosyvoice", device="cpu", batch_size=3,
+                    engine_options={"model": cosyvoice_dir, "speaker": "alice"}, normalize=False, progress="none")
+    local = run(cfg)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver opened an engine")
+
+    monkeypatch.setattr(executor, "open_engine", refuse)  # actors are other processes: unaffected
+    remote = ray_run(RunConfig(**{**cfg.__dict__, "out": tmp_path / "ray"}), RayOptions(actors=1, rows_per_task=64))
+    assert remote.status == local.status == "complete"
+    assert remote.stats["batch_sizes"] == local.stats["batch_sizes"] and max(map(int, local.stats["batch_sizes"])) == 3
+    assert (remote.stats["batch_size_limit"], remote.stats["batch_budget"]) == \
+        (local.stats["batch_size_limit"], local.stats["batch_budget"])
+    a, b = read_output(tmp_path / "local"), read_output(tmp_path / "ray")
+    assert sorted(a) == sorted(b) == sorted(f"c{i}" for i in range(len(texts)))
+    for item_id in a:
+        assert (a[item_id]["audio"] == b[item_id]["audio"]).all()
+
+
+def test_a_bad_voice_is_a_usage_error_before_the_cluster_starts(tmp_path):
+    from cosybatch.errors import VoiceError
+
+    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
+    with pytest.raises(VoiceError, match="no-such-voice"):
+        ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", voice="no-such-voice"), RayOptions(actors=1))
+    assert not ray.is_initialized()
+
+
+# -- ray-run stopped by SIGTERM ----------------------------------------------------------------
+
+
+def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_complete(tmp_path, monkeypatch):
+    """SIGTERM is sent from inside the driver at a known point: once when the first chunk comes
+    back (rows are still unread: interrupted, exit 4), then, on the rerun, once every chunk has
+    been dispatched and has finished (nothing was cut short: complete, exit 0)."""
+    import logging
+    import signal
+
+    pytest.importorskip("ray")
+    from helpers import read_output
+
+    from cosybatch.run import job as job_module
+    from cosybatch.run.ray import RayOptions, ray_run
+
+    handled = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "finishing the chunks in flight" in record.getMessage():
+                handled.append(record)
+
+    def sigterm_and_wait_until_handled():
+        before = len(handled)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while len(handled) == before:  # the driver's handler runs on this (the main) thread
+            assert time.monotonic() < deadline, "the SIGTERM handler never ran"
+            time.sleep(0.01)
+
+    when = {"point": "first chunk"}
+
+    class Progress(job_module.Progress):
+        def update(self, items, audio_s):
+            super().update(items, audio_s)
+            if when["point"] == "first chunk":
+                when["point"] = None
+                sigterm_and_wait_until_handled()
+
+        def close(self):
+            super().close()
+            if when["point"] == "all finished":
+                when["point"] = None
+                sigterm_and_wait_until_handled()
+
+    seen = Seen()
+    logging.getLogger("cosybatch").addHandler(seen)
+    monkeypatch.setattr(job_module, "Progress", Progress)
+    data = [{"id": f"r{i}", "text": f"Row {i} is here."} for i in range(24)]
+    corpus = write_parquet(tmp_path / "c.parquet", data)
+    cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")
+    try:
+        first = ray_run(cfg, RayOptions(actors=1, rows_per_task=4))
+        assert (first.status, first.exit_code) == ("interrupted", 4)
+        assert 0 < len(read_output(cfg.out)) < len(data)
+
+        when["point"] = "all finished"
+        second = ray_run(cfg, RayOptions(actors=1, rows_per_task=4))
+        assert when["point"] is None and len(handled) == 2  # the SIGTERM did come, after the last chunk
+        assert (second.status, second.exit_code) == ("complete", 0)
+    finally:
+        logging.getLogger("cosybatch").removeHandler(seen)
+    assert sorted(read_output(cfg.out)) == sorted(r["id"] for r in data)
+    assert json.loads((cfg.out / "stats.json").read_text())["status"] == "complete"
+    handler = signal.getsignal(signal.SIGTERM)  # Ray's own, or the default: not the finished run's
+    assert not getattr(handler, "__qualname__", "").startswith("ray_run.")
