@@ -44,11 +44,11 @@ def write_model(folder: Path, family: str, size: str) -> Path:
 
         return write_model_dir(folder / "CosyVoice-300M-SFT", variant="sft", size=size)
     if family == "v3":
-        from cosybatch.cosyvoice.tiny.v3 import write_model_dir_v3
+        from cosybatch.cosyvoice.tiny.v3 import write_model_dir
 
         if size != "tiny":
             raise SystemExit("--family v3: only tiny folders are written (its writer has no real sizes yet)")
-        return write_model_dir_v3(folder / "Fun-CosyVoice3-0.5B")
+        return write_model_dir(folder / "Fun-CosyVoice3-0.5B")
     from cosybatch.cosyvoice.tiny import write_model_dir
 
     return write_model_dir(folder / "model", size=size)

@@ -19,7 +19,7 @@ from typing import Optional
 from . import __version__, gpu
 from .errors import UsageError
 
-GPU_INSTALL = "README: GPU install"
+GPU_INSTALL = "docs/gpu.md: GPU install"
 
 
 def diagnose(device: Optional[str] = None, engine: Optional[str] = None) -> dict:
@@ -81,7 +81,7 @@ def _torch(warnings: list[str]) -> dict:
                          gpu.ENV_GENERIC: os.environ.get(gpu.ENV_GENERIC)}
     if build and conf and backend and backend != "cudaMallocAsync":
         warnings.append(f"torch's allocator backend is {backend}, not cudaMallocAsync: the pre-allocated pool "
-                        "assumes cudaMallocAsync (README: GPU memory)")
+                        "assumes cudaMallocAsync (docs/gpu.md: Memory)")
     if not build:
         return info
     with contextlib.suppress(Exception):

@@ -5,7 +5,7 @@ Every error the user can cause carries a message that says what to do next.
 
 from __future__ import annotations
 
-# Exit codes, documented in the README and in `cosybatch run --help`.
+# Exit codes, documented in docs/troubleshooting.md and in `cosybatch run --help`.
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2

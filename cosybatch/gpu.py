@@ -422,10 +422,11 @@ def torch_cuda_problem() -> str | None:
     try:
         import torch
     except ImportError as exc:
-        return f"torch cannot be imported ({exc}); install a CUDA build of torch (README: GPU install)"
+        return f"torch cannot be imported ({exc}); install a CUDA build of torch (docs/gpu.md: GPU install)"
     build = getattr(torch.version, "cuda", None)
     if not build:
-        return f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch (README: GPU install)"
+        return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch "
+                "(docs/gpu.md: GPU install)")
     if torch.cuda.is_available():
         return None
     _, why = cuda_driver_devices()
@@ -501,12 +502,13 @@ def ort_cuda_problem() -> str | None:
     try:
         import onnxruntime as ort
     except ImportError as exc:
-        return f"onnxruntime cannot be imported ({exc}); see README: GPU install"
+        return f"onnxruntime cannot be imported ({exc}); see docs/gpu.md: GPU install"
     if ORT_CUDA not in ort.get_available_providers():
         dists = onnxruntime_distributions()
         shown = ", ".join(f"{n} {v}" for n, v in dists) or "none found"
         hint = "; two builds of the onnxruntime module are installed over each other" if len(dists) > 1 else ""
-        return f"this onnxruntime ({shown}) has no CUDA provider{hint}; install onnxruntime-gpu (README: GPU install)"
+        return (f"this onnxruntime ({shown}) has no CUDA provider{hint}; install onnxruntime-gpu "
+                "(docs/gpu.md: GPU install)")
     count, why = cuda_driver_devices()
     if not count:
         return why

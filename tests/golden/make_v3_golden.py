@@ -46,7 +46,7 @@ OUT = HERE / "v3"
 SEED = 0  # the tiny folder's seed
 sys.path.insert(0, str(REPO))
 
-from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir_v3  # noqa: E402
+from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir  # noqa: E402
 
 SYSTEM = "You are a helpful assistant.<|endofprompt|>"
 
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     u = import_upstream(args.upstream)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_model_dir_v3(Path(tmp) / "tiny_v3", seed=SEED)
+        folder = write_model_dir(Path(tmp) / "tiny_v3", seed=SEED)
         lm = {"folder": record_folder(folder)}
         model, configs, seen = build_upstream(u, folder)
         lm["tokenizer"] = record_tokenizer(configs)

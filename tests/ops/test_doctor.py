@@ -289,7 +289,7 @@ def test_piper_auto_device_takes_the_gpu_only_when_the_driver_shows_one(monkeypa
 
 
 def test_the_gpu_install_files_agree():
-    """gpu/onnxruntime (the alias) and gpu/constraints.txt name the same onnxruntime-gpu (README: GPU install)."""
+    """gpu/onnxruntime (the alias) and gpu/constraints.txt name the same onnxruntime-gpu (docs/gpu.md)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10

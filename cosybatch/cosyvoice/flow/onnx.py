@@ -77,10 +77,10 @@ def _require_providers(backend: str, device: torch.device | str) -> None:
                                    "flow_backend=onnx or torch")
         if "TensorrtExecutionProvider" not in available:
             raise FlowBackendError(f"flow_backend=tensorrt needs onnxruntime-gpu with TensorRT's libraries; {have} "
-                                   "(install TensorRT, see the README's GPU install, or use flow_backend=onnx)")
+                                   "(install TensorRT, see docs/gpu.md, or use flow_backend=onnx)")
     if device.type == "cuda" and "CUDAExecutionProvider" not in available:
         raise FlowBackendError(f"flow_backend={backend} on CUDA needs onnxruntime-gpu; {have} "
-                               "(see the README's GPU install, or use flow_backend=torch)")
+                               "(see docs/gpu.md, or use flow_backend=torch)")
 
 
 def providers(backend: str, device: torch.device | str, fp16: bool = False,

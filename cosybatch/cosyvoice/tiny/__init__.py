@@ -24,7 +24,7 @@ from . import v1, v2, v3
 WRITERS = {
     "v1": (v1.write_model_dir, ("variant", "size", "seed", "speakers", "llm")),
     "v2": (v2.write_model_dir, ("size", "seed", "speakers", "llm")),
-    "v3": (v3.write_model_dir_v3, ("seed", "parts")),
+    "v3": (v3.write_model_dir, ("seed", "parts")),
 }
 FAMILIES = tuple(WRITERS)
 

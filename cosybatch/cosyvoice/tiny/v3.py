@@ -302,7 +302,7 @@ def weight_norm_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 PARTS = ("llm", "flow", "hift")
 
 
-def write_model_dir_v3(out: str | Path, seed: int = 0, parts: tuple[str, ...] = PARTS) -> Path:
+def write_model_dir(out: str | Path, seed: int = 0, parts: tuple[str, ...] = PARTS) -> Path:
     """Write the whole folder (``parts`` says which of llm.pt, flow.pt, hift.pt); returns its path.
 
     Each file's weights come from its own generator (seeded from ``seed`` and the file's name), so

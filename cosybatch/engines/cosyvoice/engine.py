@@ -34,7 +34,7 @@ MAX_SEGMENT_TOKENS = 80
 # measured on upstream's demo outputs: about 6 to 8; the LM bounds it to 2..20). Scaled by the
 # family's token rate (CosyVoice-300M: 50 Hz).
 TOKENS_PER_TEXT_TOKEN = 7
-# Stage defaults per device (see the README's CosyVoice throughput section for the measurements):
+# Stage defaults per device (measured in docs/cosyvoice.md):
 # decode slots of the LM, segments per planner batch (the pool's queue), items per flow and per
 # vocoder call. On CPU the LM gains from batching and the flow and vocoder do not.
 STAGE_DEFAULTS = {

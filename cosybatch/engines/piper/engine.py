@@ -420,6 +420,7 @@ def _providers(ort, device: str, memory_fraction: float = 0.9) -> list:
         return [("CUDAExecutionProvider", ort_cuda_options(int(total * memory_fraction) if total else None)),
                 "CPUExecutionProvider"]
     if device == "cuda":
-        raise UsageError("--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu as the "
-                         "README's GPU install says (`cosybatch doctor` shows what is installed), or use --device cpu")
+        raise UsageError("--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu as "
+                         "docs/gpu.md (GPU install) says (`cosybatch doctor` shows what is installed), "
+                         "or use --device cpu")
     return ["CPUExecutionProvider"]

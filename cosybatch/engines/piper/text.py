@@ -51,7 +51,7 @@ def foreign_letters(text: str, scripts: set[str]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # Emoji and pictographs are decoration, not speech: they are removed from the spoken text (and
 # from the stored transcript) rather than read out as "grinning face". Symbols that have a spoken
-# form are read: for English voices as the words below (README: "Text normalisation"); for other
+# form are read: for English voices as the words below (docs/piper.md: "Text normalisation"); for other
 # languages the few that espeak-ng reads in that language are left to it. Every other "other
 # symbol" (Unicode category So: check marks, box drawing, braille, ...) is removed too, since
 # espeak-ng would spell it out as "symbol 2713".

@@ -24,7 +24,7 @@ from cosybatch.cosyvoice.lm.v3 import (
     drop_long_silences,
     load_llm_v3,
 )
-from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir_v3
+from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir
 from cosybatch.cosyvoice.weights import ModelDirError
 
 GOLDEN = GOLDEN_ROOT / "v3"
@@ -48,7 +48,7 @@ def golden() -> dict:
 def v3_dir(tmp_path_factory, golden) -> Path:
     """The tiny v3 folder the fixtures were recorded on, written by our writer."""
     folder = tmp_path_factory.mktemp("cosyvoice3") / "Fun-CosyVoice3-tiny"
-    return write_model_dir_v3(folder, seed=golden["folder"]["seed"])
+    return write_model_dir(folder, seed=golden["folder"]["seed"])
 
 
 @pytest.fixture(scope="module")

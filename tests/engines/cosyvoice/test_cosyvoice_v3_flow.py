@@ -2,7 +2,7 @@
 
 The fixtures (``tests/golden/v3/flow_hift.pt``, README there) were recorded by
 ``tests/golden/make_v3_golden.py`` from upstream's own classes on the tiny v3 folder that
-:func:`cosybatch.cosyvoice.tiny.v3.write_model_dir_v3` writes with seed 0; the test writes the same
+:func:`cosybatch.cosyvoice.tiny.v3.write_model_dir` writes with seed 0; the test writes the same
 folder (flow and HiFT only) and checks its weights are the ones recorded against.
 """
 
@@ -25,7 +25,7 @@ from cosybatch.cosyvoice.hift.causal import (
     table_draws,
     upstream_keys,
 )
-from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir_v3
+from cosybatch.cosyvoice.tiny.v3 import folder_digests, write_model_dir
 from cosybatch.cosyvoice.weights import ModelDirError
 from cosybatch.cosyvoice.yamlconf import load_yaml
 
@@ -44,7 +44,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    return write_model_dir_v3(tmp_path_factory.mktemp("v3") / "tiny_v3", seed=SEED, parts=("flow", "hift"))
+    return write_model_dir(tmp_path_factory.mktemp("v3") / "tiny_v3", seed=SEED, parts=("flow", "hift"))
 
 
 @pytest.fixture(scope="module")
