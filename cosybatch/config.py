@@ -21,7 +21,7 @@ def cpu_count() -> int:
 @dataclass(frozen=True)
 class RunConfig:
     corpus: Path
-    """Parquet or JSONL(.gz) corpus file."""
+    """Corpus file: Parquet, JSONL(.gz), CSV, TSV or plain text (one row a line)."""
     out: Path
     """Output folder: shards, manifest, stats; rerunning on it resumes."""
     format: Optional[str] = None
