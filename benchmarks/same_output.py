@@ -1,0 +1,92 @@
+"""Do two checkouts write the same dataset? Runs the same five jobs with each and compares the bytes
+of every member of every shard (WAV and KEY.json), which is what a refactor must leave unchanged.
+
+    python benchmarks/same_output.py --before /path/to/old/checkout [--after .]
+
+The jobs: the main Piper job on examples/corpus.parquet, a Piper two-stage batch-32 job on 40 rows,
+and a tiny random-weight CosyVoice-300M-SFT, CosyVoice2 and Fun-CosyVoice3 job on 6 rows each. The
+tiny folders are written once, by the --after checkout, so both checkouts read the same weights.
+Whole-tar hashes are not compared: tar headers carry the time the member was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def member_digest(out: Path) -> tuple[str, int]:
+    """sha256 over the sorted (member name, sha256 of its bytes) of every shard; the member count."""
+    rows = []
+    for shard in sorted(out.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                rows.append((m.name, hashlib.sha256(tar.extractfile(m).read()).hexdigest()))
+    rows.sort()
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest(), len(rows)
+
+
+def jobs(work: Path, models: Path) -> dict[str, list[str]]:
+    examples = ROOT / "examples"
+    rows = (examples / "corpus.jsonl").read_text().splitlines()
+    (work / "forty.jsonl").write_text("\n".join(rows[:40]) + "\n")
+    (work / "six.jsonl").write_text("\n".join(rows[:6]) + "\n")
+    six = str(work / "six.jsonl")
+    cosy = ["--engine", "cosyvoice"]
+    return {
+        "piper": [str(examples / "corpus.parquet")],
+        "piper-batch32": [str(work / "forty.jsonl"), "--batch-size", "32"],
+        "cosyvoice-300m-sft": [six, *cosy, "--model", str(models / "CosyVoice-300M-SFT-tiny"), "--speaker", "alice"],
+        "cosyvoice2": [six, *cosy, "--model", str(models / "CosyVoice2-tiny"), "--speaker", "alice"],
+        "cosyvoice3": [six, *cosy, "--model", str(models / "Fun-CosyVoice3-0.5B-tiny"),
+                       "--prompt-wav", str(examples / "prompt-joe.wav"), "--prompt-text", "Hello there"],
+    }
+
+
+def run_all(checkout: Path, work: Path, models: Path, label: str) -> dict[str, tuple[str, int]]:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    found = {}
+    for name, args in jobs(work, models).items():
+        out = work / label / name
+        proc = subprocess.run([sys.executable, "-m", "cosybatch", "run", *args, "--out", str(out)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{label} {name}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+        found[name] = member_digest(out)
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", type=Path, required=True, help="the checkout to compare against")
+    ap.add_argument("--after", type=Path, default=ROOT, help="the checkout under test (default: this one)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        models = work / "models"
+        env = {**os.environ, "PYTHONPATH": str(args.after.resolve())}
+        for family, folder, extra in [("v1", "CosyVoice-300M-SFT-tiny", ["--variant", "sft"]),
+                                      ("v2", "CosyVoice2-tiny", []), ("v3", "Fun-CosyVoice3-0.5B-tiny", [])]:
+            subprocess.run([sys.executable, "-m", "cosybatch.cosyvoice.tiny", "--family", family, *extra,
+                            str(models / folder)], env=env, check=True, capture_output=True)
+        before = run_all(args.before.resolve(), work, models, "before")
+        after = run_all(args.after.resolve(), work, models, "after")
+    same = True
+    for name in before:
+        match = before[name] == after[name]
+        same &= match
+        print(f"{name:20s} {'same' if match else 'DIFFERENT'}  {after[name][1]:4d} members  {after[name][0]}")
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()
