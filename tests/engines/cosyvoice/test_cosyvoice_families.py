@@ -38,11 +38,17 @@ class Family:
     speakers: tuple[str, ...]  # built-in (spk2info.pt) speakers of the tiny folder
     follows_instructions: bool
 
+    @property
+    def whole(self) -> int:
+        """A one-segment row's audio is a whole number of these samples: mel frames for v1, speech
+        tokens (2 mel frames each) for v2 and v3."""
+        return self.samples_per_frame if self.version == 1 else 2 * self.samples_per_frame
+
     def samples(self, tokens: int) -> int:
         """Samples of a prompt-free one-segment row that decoded ``tokens`` speech tokens."""
         if self.version == 1:  # the v1 flow interpolates 50 Hz tokens to 22050/256 Hz mel frames
             return mel_frames(tokens) * self.samples_per_frame
-        return 2 * tokens * self.samples_per_frame  # 2 mel frames per token (token_mel_ratio)
+        return tokens * self.whole
 
     def voice(self, speaker: str) -> dict:
         """Row columns for a fixed voice: the built-in ``speaker``, or (v3 folders ship no
@@ -158,8 +164,7 @@ def test_run_writes_every_row_once_with_exact_lengths_and_bad_rows_fail_alone(fa
     for item_id, voice in voices.items():
         item = items[item_id]
         assert item["sample_rate"] == family.sample_rate
-        # One segment each: a whole number of mel frames.
-        assert len(item["audio"]) % family.samples_per_frame == 0
+        assert len(item["audio"]) % family.whole == 0
         assert np.abs(item["audio"]).max() > 0.01
         # The same row through the engine directly: same tokens (same seed and id), so same length.
         meta = item["meta"]
