@@ -1,4 +1,6 @@
-"""`cosybatch run --engine cosyvoice` end to end on the tiny official-format model."""
+"""CosyVoice2 through `cosybatch run` and its stages: usage errors, --check, the yaml's sampling,
+stage batching, half precision and out-of-memory splits (what every family shares is in
+test_cosyvoice_families.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,8 @@ import pytest
 import soundfile as sf
 from helpers import cli, read_output, write_parquet
 
-from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
+from cosybatch.engines import EngineOptions, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions
-from cosybatch.plan import Unit
-
-SAMPLES_PER_TOKEN = 2 * 480  # 2 mel frames per speech token, 480 samples per frame
 
 
 @pytest.fixture(scope="module")
@@ -44,96 +43,6 @@ def corpus(tmp_path_factory) -> Path:
         row.setdefault("prompt_wav", None)
         row.setdefault("prompt_text", None)
     return write_parquet(folder / "corpus.parquet", rows)
-
-
-@pytest.fixture(scope="module")
-def engine(cosyvoice_dir, corpus):
-    return open_engine("cosyvoice", None, EngineOptions(device="cpu", corpus_dir=corpus.parent,
-                                                        engine=CosyVoiceOptions(model=cosyvoice_dir)))
-
-
-def run_row(engine, text: str, item_id: str, voice: VoiceRequest) -> tuple[np.ndarray, int]:
-    prepared = engine.prepare(text, item_id, voice)
-    units = [Unit(0, part, piece.cost, "", piece.payload)
-             for part, piece in enumerate(prepared.pieces)]
-    syn = engine.synthesize(units)
-    return np.concatenate(syn.audio), syn.real_frames
-
-
-@pytest.mark.slow
-def test_run_every_row_once_with_exact_lengths(cosyvoice_dir, corpus, engine, tmp_path):
-    out = tmp_path / "out"
-    proc = cli("run", str(corpus), "--engine", "cosyvoice", "--model", str(cosyvoice_dir), "--out", str(out),
-               "--progress", "none", "--no-normalize", "--device", "cpu")
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["items_done"] == 5 and summary["items_failed"] == 5
-
-    items = read_output(out)
-    assert sorted(items) == ["cross", "reuse", "sft-a", "sft-b", "zero-shot"]
-    failures = {json.loads(line)["id"]: json.loads(line)["reason"]
-                for line in (out / "failures.jsonl").read_text().splitlines()}
-    assert sorted(failures) == ["bad-format", "bad-long", "bad-missing", "bad-outside", "bad-speaker"]
-    assert "outside" in failures["bad-outside"] and "--prompt-dir" in failures["bad-outside"]
-    assert "unknown speaker 'carol'" in failures["bad-speaker"] and "alice" in failures["bad-speaker"]
-    assert "30" in failures["bad-long"]
-    assert "nope.wav" in failures["bad-missing"]
-    assert "notaudio.wav" in failures["bad-format"]
-
-    voices = {
-        "sft-a": VoiceRequest("alice", None, None, True),
-        "sft-b": VoiceRequest("bob", None, None, True),
-        "zero-shot": VoiceRequest(None, "prompt.wav", "A short prompt.", True),
-        "cross": VoiceRequest(None, "prompt.wav", None, True),
-    }
-    for item_id, voice in voices.items():
-        item = items[item_id]
-        assert item["sample_rate"] == 24000
-        assert len(item["audio"]) % SAMPLES_PER_TOKEN == 0
-        assert np.abs(item["audio"]).max() > 0.01
-        # The same row through the engine directly: same tokens (same seed and id), so same length.
-        audio, tokens = run_row(engine, item["meta"]["source_text"] if "source_text" in item["meta"]
-                                else item["meta"]["text"], item_id, voice)
-        assert len(item["audio"]) == len(audio) == tokens * SAMPLES_PER_TOKEN
-    assert items["zero-shot"]["meta"]["voice"].startswith("prompt:")
-    assert items["zero-shot"]["meta"]["voice"] == items["reuse"]["meta"]["voice"]
-    assert items["sft-a"]["meta"]["voice"] == "spk:alice"
-
-
-@pytest.mark.slow
-def test_resume_completes_without_duplicates(cosyvoice_dir, corpus, tmp_path):
-    out = tmp_path / "out"
-    base = ["run", str(corpus), "--engine", "cosyvoice", "--model", str(cosyvoice_dir), "--out", str(out),
-            "--progress", "none", "--device", "cpu"]
-    first = cli(*base, "--limit", "3")
-    assert first.returncode == 0, first.stderr
-    before = read_output(out)
-    assert sorted(before) == ["sft-a", "sft-b", "zero-shot"]
-    second = cli(*base)
-    assert second.returncode == 0, second.stderr
-    after = read_output(out)  # fails on any id written twice
-    assert sorted(after) == ["cross", "reuse", "sft-a", "sft-b", "zero-shot"]
-    for item_id, item in before.items():
-        assert np.array_equal(item["audio"], after[item_id]["audio"])
-
-
-def test_item_audio_does_not_depend_on_its_batch(engine):
-    voice = VoiceRequest("alice", None, None, True)
-    text = "One sentence to compare. And a second one, a little longer than the first."
-    alone, tokens = run_row(engine, text, "row-7", voice)
-    # The same row planned into one batch with other rows and voices.
-    others = [("x", "Something else entirely.", VoiceRequest("bob", None, None, True)),
-              ("y", "Another row with a prompt voice.", VoiceRequest(None, "prompt.wav", "A short prompt.", True))]
-    units = []
-    for key, (item_id, t, v) in enumerate([("row-7", text, voice), *others]):
-        prepared = engine.prepare(t, item_id, v)
-        units += [Unit(key, part, piece.cost, "", piece.payload)
-                  for part, piece in enumerate(prepared.pieces)]
-    syn = engine.synthesize(units)
-    mine = np.concatenate([a for u, a in zip(units, syn.audio, strict=True) if u.row_key == 0])
-    assert len(mine) == len(alone) == tokens * SAMPLES_PER_TOKEN
-    snr = 10 * np.log10((alone**2).sum() / max(((alone - mine) ** 2).sum(), 1e-30))
-    assert snr > 60, "batched audio must equal the item's own (up to float rounding)"
 
 
 @pytest.mark.slow
