@@ -349,3 +349,67 @@ def test_relative_links_resolve(page):
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines < 250, f"README.md has {lines} lines; move detail into docs/"
+
+
+def shell_commands(page: Path) -> list[list[str]]:
+    """The words of each `cosybatch ...` command line of the page's shell blocks."""
+    commands = []
+    for lang, code, _line in fences(page):
+        if lang not in SHELL_LANGUAGES:
+            continue
+        joined = code.replace("\\\n", " ")
+        for line in joined.splitlines():
+            line = strip_comment(line.removeprefix("$ ").strip())
+            for part in re.split(r"&&|\|\||;|\|", line):
+                words = shlex.split(part, posix=True) if part.strip() else []
+                if words[:1] == ["cosybatch"]:
+                    commands.append(words)
+    return commands
+
+
+def test_an_output_folder_is_never_shared_by_two_engines():
+    """A reader runs the pages one after another in one checkout: a folder the main job (Piper)
+    filled must not be the --out of a CosyVoice command, or that run is refused (newcomer defect 1:
+    the tiny CosyVoice command once wrote into out/corpus)."""
+    engines: dict[str, set[str]] = {}
+    for page in PAGES:
+        for words in shell_commands(page):
+            if words[1:2] != ["run"] or "--help" in words or len(words) < 3:
+                continue
+            # Without --out a run writes to out/<corpus stem>, as the CLI's default says.
+            out = words[words.index("--out") + 1] if "--out" in words else f"out/{Path(words[2]).name.split('.')[0]}"
+            engine = words[words.index("--engine") + 1] if "--engine" in words else "piper"
+            engines.setdefault(out, set()).add(engine)
+    shared = {out: sorted(names) for out, names in engines.items() if len(names) > 1}
+    assert not shared, f"output folders used by more than one engine across the docs: {shared}"
+
+
+def test_python_blocks_need_only_the_runtime_install():
+    """README's install is `pip install -e .`; pandas comes only with extras (newcomer defect 8:
+    the manifest snippet needed it). Blocks read the manifest with pyarrow."""
+    for page in PAGES:
+        for lang, code, line in fences(page):
+            if lang in PYTHON_LANGUAGES:
+                assert not re.search(r"^\s*(import|from)\s+pandas\b|\.to_pandas\(", code, re.M), \
+                    f"{page_id(page)}:{line} needs pandas, which the runtime install lacks"
+
+
+def test_the_code_points_at_pages_and_sections_that_exist():
+    """Help texts and error messages name docs pages ("docs/piper.md, "INT8 voices""): each page
+    and each quoted section must exist (newcomer defect 8: --precision named a README section that
+    did not), and no message sends a reader to a README section any more."""
+    broken = []
+    for source in sorted((ROOT / "cosybatch").rglob("*.py")):
+        text = source.read_text(encoding="utf-8")
+        assert not re.search(r"README(:|'s)", text), f"{source.relative_to(ROOT)} sends readers to the README"
+        for match in re.finditer(r"docs/([\w-]+\.md)", text):
+            page, after = match.group(1), text[match.end():match.end() + 60]
+            # A section is named quoted ("docs/piper.md, "INT8 voices""), after a colon up to a
+            # closing bracket or quote ("docs/gpu.md: GPU install)"), or in brackets.
+            named = (re.match(r'[,:]?\s*\(?"([^"\n]+)"', after) or re.match(r": ([A-Z][\w ,-]*?)(?=[)\"]|$)", after)
+                     or re.match(r" \(([A-Z][\w ,-]*?)\)", after))
+            section = named.group(1) if named else None
+            target = ROOT / "docs" / page
+            if not target.exists() or (section and slug(section) not in anchors(target)):
+                broken.append(f"{source.relative_to(ROOT)}: docs/{page} {section!r}")
+    assert not broken, broken
