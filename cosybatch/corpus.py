@@ -120,6 +120,29 @@ class Corpus:
             self._check_jsonl_fields()
 
     # -- schema checks, done before any work ------------------------------------------------
+    def _check_names(self, names: list[str], where: str) -> None:
+        """The columns every tabular format must have, by name (`where`: " in the CSV header")."""
+        c = self.columns
+        if c.text not in names:
+            raise CorpusError(
+                f"{self.path}: no text column {c.text!r}{where}; columns found: {names}. "
+                "Pass --text-col NAME to choose the text column."
+            )
+        self._has_id = c.id in names
+        if c.id_required and not self._has_id:
+            raise CorpusError(
+                f"{self.path}: no id column {c.id!r}{where}; columns found: {names}. Pass --id-col NAME, "
+                "or leave --id-col out to use row numbers as ids."
+            )
+        self.columns = c = c.with_voice(names)
+        self._has_voice = c.voice in names
+        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text, c.instruct) if n in names)
+        if c.voice_required and not self._has_voice:
+            raise CorpusError(
+                f"{self.path}: no voice column {c.voice!r}{where}; columns found: {names}. "
+                "Pass --voice-col NAME, or leave it out to use --voice for every row."
+            )
+
     def _check_parquet_schema(self) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -129,23 +152,13 @@ class Corpus:
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorpusError(f"{self.path}: not a readable Parquet file ({exc})") from exc
         names = schema.names
+        self._check_names(names, "")
         c = self.columns
-        if c.text not in names:
-            raise CorpusError(
-                f"{self.path}: no text column {c.text!r}; columns found: {names}. "
-                "Pass --text-col NAME to choose the text column."
-            )
         ttype = schema.field(c.text).type
         if not (pa.types.is_string(ttype) or pa.types.is_large_string(ttype)):
             raise CorpusError(
                 f"{self.path}: text column {c.text!r} has type {ttype}, expected string. "
                 "Pass --text-col NAME to choose another column, or convert it to strings."
-            )
-        self._has_id = c.id in names
-        if c.id_required and not self._has_id:
-            raise CorpusError(
-                f"{self.path}: no id column {c.id!r}; columns found: {names}. Pass --id-col NAME, "
-                "or leave --id-col out to use row numbers as ids."
             )
         if self._has_id:
             itype = schema.field(c.id).type
@@ -153,18 +166,10 @@ class Corpus:
                 raise CorpusError(
                     f"{self.path}: id column {c.id!r} has type {itype}; ids must be strings or integers."
                 )
-        self.columns = c = c.with_voice(names)
-        self._has_voice = c.voice in names
-        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text, c.instruct) if n in names)
         for name in self._prompt_cols:
             ptype = schema.field(name).type
             if not (pa.types.is_string(ptype) or pa.types.is_large_string(ptype) or pa.types.is_null(ptype)):
                 raise CorpusError(f"{self.path}: column {name!r} has type {ptype}, expected string.")
-        if c.voice_required and not self._has_voice:
-            raise CorpusError(
-                f"{self.path}: no voice column {c.voice!r}; columns found: {names}. "
-                "Pass --voice-col NAME, or leave it out to use --voice for every row."
-            )
 
     def _csv_reader(self, column_types: Optional[dict] = None, on_invalid=None):
         """pyarrow's streaming CSV reader over the file: TSV is tab-separated without quoting (a
@@ -188,26 +193,7 @@ class Corpus:
             names = self._csv_reader(on_invalid=lambda _row: "skip").schema.names  # rows: checked when read
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorpusError(f"{self.path}: not a readable {kind} file with a header line ({exc})") from exc
-        c = self.columns
-        if c.text not in names:
-            raise CorpusError(
-                f"{self.path}: no text column {c.text!r} in the {kind} header; columns found: {names}. "
-                "Pass --text-col NAME to choose the text column."
-            )
-        self._has_id = c.id in names
-        if c.id_required and not self._has_id:
-            raise CorpusError(
-                f"{self.path}: no id column {c.id!r} in the {kind} header; columns found: {names}. Pass "
-                "--id-col NAME, or leave --id-col out to use row numbers as ids."
-            )
-        self.columns = c = c.with_voice(names)
-        self._has_voice = c.voice in names
-        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text, c.instruct) if n in names)
-        if c.voice_required and not self._has_voice:
-            raise CorpusError(
-                f"{self.path}: no voice column {c.voice!r} in the {kind} header; columns found: {names}. "
-                "Pass --voice-col NAME, or leave it out to use --voice for every row."
-            )
+        self._check_names(names, f" in the {kind} header")
 
     def _check_text(self) -> None:
         c = self.columns
