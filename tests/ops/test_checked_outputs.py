@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT, write_jsonl
+from helpers import write_jsonl
 
 from cosybatch.errors import UsageError
 from cosybatch.run.local import run
 from cosybatch.store.distributed import merge
-from cosybatch.store.exports import export
 from cosybatch.store.status import describe, job_status
 
 
@@ -41,3 +37,52 @@ def test_status_reads_the_journal_when_run_json_has_wrong_types(tone, tmp_path, 
     assert (status["status"], status["done"]) == ("complete", 8)
     assert any("run.json is unreadable" in w for w in status["warnings"])
     assert "run.json is unreadable" in describe(status)
+
+
+# -- 3. merge compares the parts and checks each one ------------------------------------------------
+def sharded(tone, tmp_path, n: int = 12, per_part: dict | None = None):
+    """A 2-part job; per_part[i] overrides part i's settings (another corpus, another seed)."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", rows(n))
+    out = tmp_path / "out"
+    for index in range(2):
+        settings = {"corpus": corpus, **(per_part or {}).get(index, {})}
+        cfg = tone(settings.pop("corpus"), out, shard_index=index, shard_count=2, shard_max_items=2, **settings)
+        assert run(cfg).status == "complete"
+    return corpus, out
+
+
+def test_merge_refuses_a_part_made_from_another_corpus(tone, tmp_path):
+    other = write_jsonl(tmp_path / "other.jsonl", rows(12, prefix="x"))
+    _, out = sharded(tone, tmp_path, per_part={1: {"corpus": other}})
+    for partial in (False, True):
+        with pytest.raises(UsageError, match=r"part-00001-of-00002 differs from part-00000-of-00002 in corpus\."):
+            merge(out, allow_partial=partial)
+    assert not (out / "manifest.parquet").exists()
+
+
+def test_merge_refuses_a_part_with_other_settings(tone, tmp_path):
+    _, out = sharded(tone, tmp_path, per_part={1: {"seed": 7}})
+    with pytest.raises(UsageError, match=r"part-00001-of-00002 differs .* in seed \(seed: part-00000-of-00002 has 0"):
+        merge(out)
+
+
+def test_merge_refuses_a_part_that_lost_a_shard_after_it_finished(tone, tmp_path):
+    _, out = sharded(tone, tmp_path)
+    (out / "part-00001-of-00002" / "shard-000000.tar").unlink()
+    with pytest.raises(UsageError, match=r"part-00001-of-00002 is damaged .*shard-000000.tar is missing"):
+        merge(out)
+    result = merge(out, allow_partial=True)
+    assert result["parts_merged"] == 1 and "part-00001-of-00002 is damaged" in result["problems"][0]
+    stats = json.loads((out / "stats.json").read_text())
+    part0 = json.loads((out / "part-00000-of-00002" / "stats.json").read_text())
+    assert (stats["status"], stats["items"]) == ("partial", part0["job_totals"]["items_done"])
+
+
+def test_merge_refuses_a_part_whose_lock_is_held(tone, tmp_path):
+    _, out = sharded(tone, tmp_path)
+    with open(out / "part-00000-of-00002" / ".cosybatch" / "lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run of that part holds it
+        with pytest.raises(UsageError, match=r"part-00000-of-00002 is being written by a run now"):
+            merge(out)
+        assert merge(out, allow_partial=True)["parts_merged"] == 1
+    assert merge(out)["parts_merged"] == 2
