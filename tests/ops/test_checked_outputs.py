@@ -10,9 +10,10 @@ import json
 import pytest
 from helpers import write_jsonl
 
-from cosybatch.errors import UsageError
+from cosybatch.errors import DamagedOutputError, UsageError
 from cosybatch.run.local import run
 from cosybatch.store.distributed import merge
+from cosybatch.store.exports import export
 from cosybatch.store.status import describe, job_status
 
 
@@ -86,3 +87,39 @@ def test_merge_refuses_a_part_whose_lock_is_held(tone, tmp_path):
             merge(out)
         assert merge(out, allow_partial=True)["parts_merged"] == 1
     assert merge(out)["parts_merged"] == 2
+
+
+# -- 4. export checks the folder first and never leaves half an export -----------------------------
+@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse"])
+def test_export_refuses_a_folder_that_lost_a_shard(tone, tmp_path, fmt):
+    _, out = finished(tone, tmp_path)
+    (out / "shard-000001.tar").unlink()
+    with pytest.raises(DamagedOutputError, match=r"shard-000001.tar is missing.*Rerun the job's `cosybatch run`"):
+        export(out, fmt)
+    assert not (out / "exports" / fmt).exists()
+    assert DamagedOutputError.exit_code == 3
+
+
+@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse"])
+def test_an_unreadable_shard_leaves_the_earlier_export_whole(tone, tmp_path, fmt):
+    _, out = finished(tone, tmp_path)
+    export(out, fmt)
+    before = {p.relative_to(out): p.read_bytes() for p in (out / "exports" / fmt).rglob("*") if p.is_file()}
+    shard = out / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[:512] = b"\xff" * 512  # the same size, so only reading it finds the damage
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DamagedOutputError, match=r"shard-000001.tar is unreadable"):
+        export(out, fmt)
+    after = {p.relative_to(out): p.read_bytes() for p in (out / "exports" / fmt).rglob("*") if p.is_file()}
+    assert after == before
+    assert [p.name for p in (out / "exports").iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_unreadable_shard_leaves_no_export(tone, tmp_path):
+    _, out = finished(tone, tmp_path)
+    shard = out / "shard-000001.tar"
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    with pytest.raises(DamagedOutputError):
+        export(out, "hf")
+    assert not (out / "exports" / "hf").exists()
