@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
-from helpers import write_jsonl
+from helpers import ROOT, write_jsonl
 
+from cosybatch.cache import cached_file
 from cosybatch.errors import DamagedOutputError, UsageError
 from cosybatch.run.local import run
 from cosybatch.store.distributed import merge
@@ -123,3 +128,37 @@ def test_an_unreadable_shard_leaves_no_export(tone, tmp_path):
     with pytest.raises(DamagedOutputError):
         export(out, "hf")
     assert not (out / "exports" / "hf").exists()
+
+
+# -- 10. verify through a closed pipe; the cache's temporaries of dead builders --------------------
+@pytest.mark.slow
+def test_verify_into_a_closed_pipe_exits_with_its_own_code(tone, tmp_path):
+    _, out = finished(tone, tmp_path)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    (damaged / "shard-000001.tar").write_bytes(b"\0" * (damaged / "shard-000001.tar").stat().st_size)
+    for folder, code in ((out, 0), (damaged, 3)):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before a byte is written, as `| head` may be
+        try:
+            proc = subprocess.run([sys.executable, "-m", "cosybatch", "verify", str(folder)], stdout=write,
+                                  stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+        finally:
+            os.close(write)
+        assert proc.returncode == code, proc.stderr
+        assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_a_cache_build_removes_temporaries_of_builders_that_died(tmp_path):
+    stale = tmp_path / ".k123-abc_x9yz.tmp"
+    stale.write_bytes(b"half an ONNX file")  # as a builder killed with -9 leaves it
+    others = [tmp_path / ".k123-other-abc_x9yz.tmp", tmp_path / ".k1234-abcdefgh.tmp"]  # other keys' files
+    for path in others:
+        path.write_bytes(b"not ours")
+    path = cached_file(tmp_path, "k123", lambda tmp: tmp.write_bytes(b"built"))
+    assert path.read_bytes() == b"built" and not stale.exists()
+    assert all(p.exists() for p in others)
+    stale.write_bytes(b"again")
+    assert cached_file(tmp_path, "k123", lambda tmp: pytest.fail("rebuilt")) == path  # found: still cleaned
+    assert not stale.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".k123-")) == [others[0].name]
