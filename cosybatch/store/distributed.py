@@ -171,7 +171,7 @@ def check_same_job(root: Path, parts: list[Path], count: int) -> None:
         if not isinstance(fingerprint, dict):
             continue  # a part that never started: unmergeable() says so
         index = int(part.name.split("-")[1])
-        if fingerprint.get("shard") != [index, count]:
+        if "shard" in fingerprint and fingerprint["shard"] != [index, count]:
             found.append(f"{part.name}: field shard is {fingerprint.get('shard')!r} in its job.json, "
                          f"not [{index}, {count}] as its folder name says")
         job = {k: v for k, v in fingerprint.items() if k != "shard"}
