@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,12 +91,25 @@ def find_cached(folder: Path, key: str, suffix: str = ".onnx") -> Optional[Path]
     return None
 
 
+def remove_dead_temporaries(folder: Path, key: str) -> None:
+    """Delete ``.KEY-*.tmp`` files: with ``KEY.lock`` held by the caller, no live builder can own
+    one (a builder holds the lock until its temporary is renamed or removed), so they are left by a
+    builder that was killed (kill -9, OOM, power) and would otherwise stay, GBs each, forever."""
+    name = re.compile(rf"\.{re.escape(key)}-[a-z0-9_]+\.tmp")  # mkstemp's names; not another key's
+    for path in folder.glob(f".{key}-*.tmp"):
+        if name.fullmatch(path.name):
+            log.warning("cache: removing %s, left by a build that did not finish", path)
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 def cached_file(folder: Path, key: str, build: Callable[[Path], None], suffix: str = ".onnx") -> Path:
     """The cached file of ``key`` in ``folder``: found (its bytes checked against its name), or made
     once under ``KEY.lock`` by ``build(tmp)`` writing a temporary file that is then named after its
     sha256 and renamed into place. OSError propagates: the caller says which cache is unusable."""
     folder.mkdir(parents=True, exist_ok=True)
     with locked(folder / f"{key}.lock"):
+        remove_dead_temporaries(folder, key)
         found = find_cached(folder, key, suffix)
         if found is not None:
             return found

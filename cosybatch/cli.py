@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -344,7 +345,7 @@ def status(
         result = job_status(out)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    print(json.dumps(result) if as_json else describe(result))
+    _print(json.dumps(result) if as_json else describe(result))
 
 
 @app.command("verify")
@@ -361,7 +362,7 @@ def verify_cmd(
         result = verify(out)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    print(json.dumps(result) if as_json else describe(result))
+    _print(json.dumps(result) if as_json else describe(result))
     raise typer.Exit(EXIT_OK if result["ok"] else EXIT_BAD_INPUT)
 
 
@@ -382,7 +383,7 @@ def doctor_cmd(
         report = diagnose(device=device, engine=engine)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    print(json.dumps(report) if as_json else describe(report))
+    _print(json.dumps(report) if as_json else describe(report))
     if not report["ok"]:
         if as_json:  # the report is the last line, with its exit_code and error
             raise typer.Exit(report["exit_code"])
@@ -452,7 +453,7 @@ def merge(
         result = merge_parts(root, allow_partial=partial)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    print(json.dumps(result))
+    _print(json.dumps(result))
 
 
 @app.command("export")
@@ -467,7 +468,7 @@ def export_cmd(
         written = {fmt: str(export(out, fmt.strip())) for fmt in to.split(",") if fmt.strip()}
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    print(json.dumps(written))
+    _print(json.dumps(written))
 
 
 def _seconds(text: Optional[str], option: str) -> Optional[float]:
@@ -499,6 +500,20 @@ def _stem(path: Path) -> str:
 def _setup_logging() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s cosybatch %(levelname)s %(message)s")
+
+
+def _print(text: str) -> None:
+    """print() for a report read through a pipe (`cosybatch verify OUT | head`): when the reader
+    has gone, the rest of the report has nowhere to go, but the exit code must still say what the
+    command found, so stdout is pointed at /dev/null (as the Python docs advise for SIGPIPE) instead
+    of click turning the BrokenPipeError into exit 1."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _report(message: str, code: int) -> None:

@@ -51,6 +51,13 @@ class EngineError(CosybatchError):
     exit_code = EXIT_INTERNAL
 
 
+class DamagedOutputError(CosybatchError):
+    """A finished output folder no longer holds what its journal says (a shard deleted, cut or
+    unreadable). Rerunning the job's `cosybatch run` repairs it."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
 class OutputError(CosybatchError):
     """Writing the output failed (disk full, folder gone). Committed work is intact: resumable."""
 

@@ -245,6 +245,21 @@ class OutputDir:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
 
+    def lock_held(self) -> bool:
+        """Is a run writing this folder now? A shared, non-blocking probe released at once; it
+        tells the truth across hosts and containers, where a pid in the file says nothing."""
+        try:
+            fd = os.open(self.state / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing releases the probe lock
+        return False
+
     def unlock(self) -> None:
         if self._lock_fd is not None:
             try:

@@ -89,8 +89,14 @@ def output_dirs(root: Path) -> list[Path]:
 
 def merge(root: Path, allow_partial: bool = False) -> dict:
     """Write ROOT/manifest.parquet listing every part's items (shard paths relative to ROOT),
-    ROOT/failures.jsonl and ROOT/stats.json (the job's totals); refuse when parts are missing or
-    unfinished unless `allow_partial`.
+    ROOT/failures.jsonl and ROOT/stats.json (the job's totals).
+
+    Every part must be the same job: its job.json (settings, engine, corpus hash, columns) must
+    match the first part's, and its recorded shard must be the I/N of its folder name; any
+    difference is refused, naming the part and the field. A part is left out when a run holds
+    its lock (it is being written now), when it never finished, or when its shards do not have
+    the sizes its journal says (a shard deleted or cut after it finished): then merge refuses
+    unless `allow_partial`, and `problems` says what was left out.
 
     Returns (and stats.json holds): ``parts`` the job's number of parts (N of --shard I/N),
     ``parts_found`` the part folders present, ``parts_merged`` the finished ones merged,
@@ -108,6 +114,7 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
     if len(counts) != 1:
         raise UsageError(f"{root} mixes jobs split into different worker counts: {sorted(counts)}")
     count = counts.pop()
+    check_same_job(root, parts, count)
     problems = []
     present = {int(p.name.split("-")[1]) for p in parts}
     missing = sorted(set(range(count)) - present)
@@ -115,10 +122,9 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
         problems.append(f"parts {missing} of {count} are missing")
     tables, failures = [], []
     for part in parts:
-        stats_path = part / STATS_FILE
-        status = json.loads(stats_path.read_text()).get("status") if stats_path.exists() else None
-        if status != "complete" or not (part / MANIFEST_FILE).exists():
-            problems.append(f"{part.name} is not complete (status: {status or 'never finished'})")
+        why = unmergeable(part)
+        if why:
+            problems.append(f"{part.name} {why}")
             continue
         table = pq.read_table(part / MANIFEST_FILE)
         shards = [f"{part.name}/{s}" for s in table.column("shard").to_pylist()]
@@ -126,8 +132,9 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
         if (part / FAILURES_FILE).exists():
             failures.extend(line for line in (part / FAILURES_FILE).read_text().splitlines() if line)
     if problems and not allow_partial:
-        raise UsageError(f"cannot merge {root}: " + "; ".join(problems) + ". Run the missing workers "
-                         "(each resumes), or pass --partial to merge what is finished.")
+        raise UsageError(f"cannot merge {root}: " + "; ".join(problems) + ". Run the missing or damaged "
+                         "workers again (each resumes, and repairs its folder), or pass --partial to merge "
+                         "what is finished and whole.")
     # Parts differ in optional columns (instruct) when only some of their rows have one.
     table = pa.concat_tables(tables, promote_options="default") if tables else None
     ids = table.column("id").to_pylist() if table is not None else []
@@ -137,9 +144,71 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
         tmp = root / f".{MANIFEST_FILE}.tmp"
         pq.write_table(table, tmp)
         os.replace(tmp, root / MANIFEST_FILE)
+    else:
+        (root / MANIFEST_FILE).unlink(missing_ok=True)  # an older merge's list would name parts left out now
     write_atomic(root / FAILURES_FILE, "".join(line + "\n" for line in failures).encode())
     audio_s = sum(table.column("duration_s").to_pylist()) if table is not None else 0.0
     result = {"parts": count, "parts_found": len(parts), "parts_merged": len(tables), "items": len(ids),
               "failed": len(failures), "audio_seconds": round(audio_s, 3), "problems": problems}
     write_atomic(root / STATS_FILE, json_bytes({"status": "partial" if problems else "complete", **result}))
     return result
+
+
+def check_same_job(root: Path, parts: list[Path], count: int) -> None:
+    """Refuse parts that are not workers of one job: another corpus, other settings or engine,
+    or a recorded shard that is not the folder's I/N. --partial does not lift this: a merge of
+    two jobs is never a dataset."""
+    from .checkpoint import OutputDir, differences
+
+    reference: Optional[tuple[str, dict]] = None
+    found = []
+    for part in parts:
+        try:
+            recorded = OutputDir(part).recorded()
+        except (OSError, ValueError):
+            recorded = None
+        fingerprint = recorded.get("fingerprint") if isinstance(recorded, dict) else None
+        if not isinstance(fingerprint, dict):
+            continue  # a part that never started: unmergeable() says so
+        index = int(part.name.split("-")[1])
+        if "shard" in fingerprint and fingerprint["shard"] != [index, count]:
+            found.append(f"{part.name}: field shard is {fingerprint.get('shard')!r} in its job.json, "
+                         f"not [{index}, {count}] as its folder name says")
+        job = {k: v for k, v in fingerprint.items() if k != "shard"}
+        if reference is None:
+            reference = (part.name, job)
+            continue
+        diffs = differences(reference[1], job)
+        if diffs:
+            fields = ", ".join(d.split(" was ", 1)[0] for d in diffs)
+            found.append(f"{part.name} differs from {reference[0]} in {fields} ("
+                         + "; ".join(d.replace(" was ", f": {reference[0]} has ", 1).replace(", now ",
+                                                                                          f", {part.name} has ", 1)
+                                     for d in diffs) + ")")
+    if found:
+        raise UsageError(f"cannot merge {root}: its parts are not the workers of one job: " + "; ".join(found)
+                         + ". Rerun those parts with the job's corpus and settings (into their own folders), "
+                         "or merge each job's parts on their own.")
+
+
+def unmergeable(part: Path) -> Optional[str]:
+    """Why one part cannot be merged now (a sentence that follows its name), or None."""
+    from .checkpoint import MANIFEST_FILE, RAY_FAILURES_DIR, STATE_DIR, STATS_FILE, OutputDir
+    from .repair import check_sizes
+
+    out = OutputDir(part)
+    if out.lock_held():
+        return "is being written by a run now (its lock is held); wait for it to finish"
+    try:
+        stats = json.loads((part / STATS_FILE).read_text())
+    except (OSError, ValueError):
+        stats = None
+    status = stats.get("status") if isinstance(stats, dict) else None
+    if status != "complete" or not (part / MANIFEST_FILE).exists():
+        return f"is not complete (status: {status or 'never finished'})"
+    if (part / STATE_DIR / RAY_FAILURES_DIR).is_dir():
+        return None  # a ray-run part has no journal to check sizes against
+    damage = check_sizes(out)
+    if damage:
+        return "is damaged since it finished (" + "; ".join(damage) + ")"
+    return None

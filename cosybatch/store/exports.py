@@ -6,6 +6,12 @@ sharded job's root holding part-* folders).
     OUT/exports/wavs/KEY.wav                           plain WAV files, for NeMo and Lhotse
     OUT/exports/nemo/manifest.jsonl                    audio_filepath relative to the manifest
     OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  absolute paths (Lhotse resolves from CWD)
+
+An export first checks the folder as `cosybatch status` does (every shard has the size its journal
+says): a folder that lost a shard after it finished is refused, never exported short. Each format
+is written into `exports/.FMT.tmp-PID/` and renamed into place when whole, so a failed export
+leaves the earlier one as it was and never half of a new one. (The WAV files under exports/wavs
+are shared by NeMo and Lhotse and each is written whole, by rename, on its own.)
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import UsageError
-from .checkpoint import write_atomic
+from ..errors import DamagedOutputError, UsageError
+from .checkpoint import RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
 from .distributed import output_dirs
 
 FORMATS = ("hf", "nemo", "lhotse")
@@ -32,17 +39,61 @@ def shards(root: Path) -> list[Path]:
 
 
 def iter_shard(path: Path) -> Iterator[tuple[str, dict, bytes]]:
-    """(key, metadata, wav bytes) for every item of one tar shard, in order."""
+    """(key, metadata, wav bytes) for every item of one tar shard, in order. A shard that cannot
+    be read to its end raises DamagedOutputError naming it."""
     pending: dict[str, dict] = {}
-    with tarfile.open(path) as tar:
-        for member in tar:
-            key, _, ext = member.name.partition(".")
-            data = tar.extractfile(member).read()
-            entry = pending.setdefault(key, {})
-            entry[ext] = data
-            if "wav" in entry and "json" in entry:
-                del pending[key]
-                yield key, json.loads(entry["json"]), entry["wav"]
+    try:
+        with tarfile.open(path) as tar:
+            for member in tar:
+                key, _, ext = member.name.partition(".")
+                data = tar.extractfile(member).read()
+                entry = pending.setdefault(key, {})
+                entry[ext] = data
+                if "wav" in entry and "json" in entry:
+                    del pending[key]
+                    yield key, json.loads(entry["json"]), entry["wav"]
+    except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
+        raise DamagedOutputError(f"{path} is unreadable ({type(exc).__name__}: {exc}); nothing was exported. "
+                                 "`cosybatch verify` shows the damage; rerun the job's `cosybatch run` "
+                                 "to repair the folder, then export again") from None
+    if pending:
+        raise DamagedOutputError(f"{path} holds {len(pending)} items without both their .wav and .json "
+                                 "members; nothing was exported. Rerun the job's `cosybatch run` to repair "
+                                 "the folder, then export again")
+
+
+def check_whole(root: Path) -> None:
+    """Refuse a folder whose shards no longer have the sizes its journal says (the check a run
+    makes at its end): an export of it would silently drop the lost items."""
+    from .repair import check_sizes
+
+    for folder in output_dirs(root):
+        if (folder / STATE_DIR / RAY_FAILURES_DIR).is_dir():
+            continue  # a ray-run folder keeps no journal to check against
+        problems = check_sizes(OutputDir(folder))
+        if problems:
+            raise DamagedOutputError(f"{folder} is damaged since it finished: " + "; ".join(problems)
+                                     + ". Nothing was exported. Rerun the job's `cosybatch run` (same "
+                                     "arguments) to repair it, then export again")
+
+
+def write_into_place(dest: Path, write: Callable[[Path], None]) -> None:
+    """Run write(tmp) on a fresh folder beside `dest`, then swap it in: `dest` is always either
+    the earlier export or the new one, whole."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.*-*"):  # left by an export that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def export(root: Path, fmt: str, require_complete: bool = True) -> Path:
@@ -56,20 +107,25 @@ def export(root: Path, fmt: str, require_complete: bool = True) -> Path:
         if status != "complete":
             raise UsageError(f"{folder} is not complete (status: {status or 'never finished'}); "
                              "finish the run (rerun it to resume) before exporting")
+    check_whole(root)
     return {"hf": export_hf, "nemo": export_nemo, "lhotse": export_lhotse}[fmt](root)
 
 
 def export_hf(root: Path) -> Path:
     """One Parquet file per tar shard, with the `huggingface` schema metadata that makes
     `datasets` see the audio column as an Audio feature."""
+
+    final = root / "exports" / "hf"
+    write_into_place(final, lambda tmp: _write_hf(root, tmp / "data"))
+    return final
+
+
+def _write_hf(root: Path, dest: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    dest = root / "exports" / "hf" / "data"
-    dest.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True)
     paths = shards(root)
-    for stale in dest.glob("train-*.parquet"):  # an earlier export may have had more files
-        stale.unlink()
     sample_rate = None
     # Every file gets an instruct column when the job's manifest has one (some row had an instruction).
     manifest = root / "manifest.parquet"
@@ -105,11 +161,7 @@ def export_hf(root: Path) -> Path:
             fields.append(("instruct", pa.string()))
         schema = pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": features}})})
         table = pa.table(rows, schema=schema)
-        final = dest / f"train-{n:05d}-of-{max(len(paths), 1):05d}.parquet"
-        tmp = final.with_name(f".{final.name}.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, final)
-    return dest.parent
+        pq.write_table(table, dest / f"train-{n:05d}-of-{max(len(paths), 1):05d}.parquet")
 
 
 def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
@@ -128,7 +180,11 @@ def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
 
 def export_nemo(root: Path) -> Path:
     dest = root / "exports" / "nemo"
-    dest.mkdir(parents=True, exist_ok=True)
+    write_into_place(dest, lambda tmp: _write_nemo(root, dest, tmp))
+    return dest / "manifest.jsonl"
+
+
+def _write_nemo(root: Path, dest: Path, tmp: Path) -> None:
     lines = []
     for path, meta in _extract_wavs(root):
         entry = {"audio_filepath": os.path.relpath(path, dest), "duration": meta["duration"],
@@ -136,14 +192,16 @@ def export_nemo(root: Path) -> Path:
         if "instruct" in meta:
             entry["instruct"] = meta["instruct"]
         lines.append(json.dumps(entry, ensure_ascii=False))
-    manifest = dest / "manifest.jsonl"
-    write_atomic(manifest, "".join(line + "\n" for line in lines).encode())
-    return manifest
+    (tmp / "manifest.jsonl").write_bytes("".join(line + "\n" for line in lines).encode())
 
 
 def export_lhotse(root: Path) -> Path:
     dest = root / "exports" / "lhotse"
-    dest.mkdir(parents=True, exist_ok=True)
+    write_into_place(dest, lambda tmp: _write_lhotse(root, tmp))
+    return dest
+
+
+def _write_lhotse(root: Path, dest: Path) -> None:
     recordings, supervisions = [], []
     for path, meta in _extract_wavs(root):
         rec_id = path.stem
@@ -161,5 +219,4 @@ def export_lhotse(root: Path) -> Path:
         })
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-        write_atomic(dest / f"{name}.jsonl.gz", gzip.compress(data, mtime=0))
-    return dest
+        (dest / f"{name}.jsonl.gz").write_bytes(gzip.compress(data, mtime=0))

@@ -3,9 +3,7 @@ running job is never disturbed."""
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -28,27 +26,33 @@ from .distributed import output_dirs
 RATE_WINDOW_S = 120.0  # the rate is measured over the last two minutes of commits
 
 
-def _lock_held(path: Path) -> bool:
-    """Is a run holding this folder's lock? A shared, non-blocking probe, released at once: it
-    tells the truth across hosts and containers, where a pid says nothing."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing releases a probe lock we took
-    return False
-
-
 def _read_json(path: Path) -> Optional[dict]:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
+
+
+# run.json's fields and the types status relies on: a file edited by hand or cut by a full disk
+# may hold anything, and status must still say what the journal says.
+RUN_FIELDS = {"started": (int, float), "total_rows": (int,), "total_is_estimate": (bool,)}
+
+
+def _read_run(path: Path) -> tuple[dict, Optional[str]]:
+    """run.json with its fields checked -> (run, None), or ({}, why) when it is unreadable."""
+    if not path.exists():
+        return {}, None
+    run = _read_json(path)
+    if run is None:
+        return {}, f"{STATE_DIR}/{RUN_FILE} is unreadable (not a JSON object); status is from the journal"
+    for name, types in RUN_FIELDS.items():
+        value = run.get(name)
+        wrong = not isinstance(value, types) or (bool not in types and isinstance(value, bool))
+        if value is not None and wrong:
+            return {}, (f"{STATE_DIR}/{RUN_FILE} is unreadable ({name} is {type(value).__name__} {value!r}); "
+                        "status is from the journal")
+    return run, None
 
 
 def _ray_counts(folder: Path) -> tuple[int, int]:
@@ -68,7 +72,7 @@ def _ray_counts(folder: Path) -> tuple[int, int]:
 def part_status(folder: Path, now: Optional[float] = None) -> dict:
     now = time.time() if now is None else now
     state = folder / STATE_DIR
-    run = _read_json(state / RUN_FILE) or {}
+    run, run_problem = _read_run(state / RUN_FILE)
     stats = _read_json(folder / STATS_FILE)
     ledger = Ledger.replay(state / JOURNAL_FILE)  # what is committed, after repairs and corpus changes
     done, failed = len(ledger.live), ledger.failures
@@ -80,7 +84,7 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         pid_text = (state / LOCK_FILE).read_text().strip()
     except OSError:
         pid_text = ""
-    running = _lock_held(state / LOCK_FILE)
+    running = OutputDir(folder).lock_held()
     if running:
         status = "running"
     elif stats is not None and stats.get("wall_seconds") is not None and (
@@ -114,7 +118,7 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
             "total_is_estimate": estimate, "items_per_second": rate,
             "eta_seconds": eta, "pid": int(pid_text) if running and pid_text.isdigit() else None,
             "audio_seconds": stats.get("job_totals", {}).get("audio_seconds") if stats and not running else None,
-            "problems": problems}
+            "problems": problems, "warnings": [run_problem] if run_problem else []}
 
 
 def job_status(root: Path) -> dict:
@@ -141,7 +145,9 @@ def job_status(root: Path) -> dict:
             "eta_seconds": max(total - done - failed, 0) / rate if rate and total is not None else None,
             "parts": parts if len(parts) > 1 or missing else [], "missing_parts": missing,
             "problems": [(f"{Path(p['folder']).name}: " if len(parts) > 1 else "") + problem
-                         for p in parts for problem in p["problems"]]}
+                         for p in parts for problem in p["problems"]],
+            "warnings": [(f"{Path(p['folder']).name}: " if len(parts) > 1 else "") + warning
+                         for p in parts for warning in p["warnings"]]}
 
 
 def describe(status: dict) -> str:
@@ -155,7 +161,7 @@ def describe(status: dict) -> str:
     lines = [line]
     for p in status["parts"]:
         lines.append(f"  {Path(p['folder']).name}: {p['status']}, {p['done']} done, {p['failed']} failed")
-    for p in status["problems"]:
+    for p in [*status["warnings"], *status["problems"]]:
         lines.append(f"  {p}")
     if status["problems"]:
         lines.append("  rerun the same `cosybatch run` command to repair the folder")
