@@ -34,11 +34,10 @@ def _check_finite(state: dict[str, torch.Tensor], path: Path) -> None:
     tokens at all without raising. One pass, stopping at the first bad tensor (measured 0.8 s for
     500 M fp32 parameters, 1.9 GiB, on one CPU core)."""
     for name, tensor in state.items():
-        if tensor.is_floating_point() or tensor.is_complex():
-            if not bool(torch.isfinite(tensor).all()):
-                bad = int((~torch.isfinite(tensor)).sum())
-                raise ModelDirError(f"{path}: tensor {name!r} holds {bad} non-finite values (NaN or infinite) of "
-                                    f"{tensor.numel()}; the checkpoint is damaged, download it again")
+        if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ModelDirError(f"{path}: tensor {name!r} holds {bad} non-finite values (NaN or infinite) of "
+                                f"{tensor.numel()}; the checkpoint is damaged, download it again")
 
 
 def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:

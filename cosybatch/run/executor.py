@@ -211,6 +211,10 @@ class EngineSet:
     def prepare(self, row: Row) -> tuple[str, Prepared]:
         """Open (or reuse) the engine for the row's voice and prepare the row; returns the batch
         group (rows of one group may share a batch) and the prepared row. Raises RowRejected."""
+        for column, value in (("voice", row.voice), ("prompt_wav", row.prompt_wav)):
+            if value is not None and "\x00" in value:
+                # A NUL cannot be in a path or a name: the OS refuses it with a ValueError that would end the job.
+                raise RowRejected(f"{column} {value!r} holds a NUL byte; a {column} is a name or a path without one")
         voice = row.voice or self.cfg.voice
         engine = self.get(voice, from_row=row.voice is not None)
         from_row = row.voice is not None or row.prompt_wav is not None

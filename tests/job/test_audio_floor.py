@@ -30,7 +30,7 @@ def broken_tone(monkeypatch):
     def synthesize(self, units):
         syn = original(self, units)
         wanted = {item_seed(self.seed, kind, 1): fn for kind, fn in BROKEN.items()}
-        audio = [wanted[u.payload[1]](a) if u.payload[1] in wanted else a for u, a in zip(units, syn.audio)]
+        audio = [wanted.get(u.payload[1], lambda a: a)(a) for u, a in zip(units, syn.audio, strict=True)]
         return Synthesised(audio, syn.real_frames, syn.padded_frames)
 
     monkeypatch.setattr(ToneEngine, "synthesize", synthesize)
