@@ -47,8 +47,33 @@ class Outcome:
     oom_retries: int = 0
 
 
+class ClipRejected(Exception):
+    """A row's audio that must not be committed (empty, non-finite, constant); the message is why."""
+
+
+def clip_fault(audio: np.ndarray) -> Optional[str]:
+    """Why a clip is no speech at all (None: it may be committed). The floor under every engine: a
+    model with broken weights gives silence or a NaN waveform without raising (quality gates go finer)."""
+    if audio.size == 0:
+        return "the engine returned empty audio (0 samples)"
+    finite = np.isfinite(audio)
+    if not finite.all():
+        return (f"the engine returned non-finite audio ({audio.size - int(finite.sum())} of {audio.size} "
+                "samples NaN or infinite); check the model's weights")
+    if float(audio.max()) == float(audio.min()):
+        return (f"the engine returned constant audio ({audio.size} samples all {float(audio[0]):g}); "
+                "check the model's weights")
+    return None
+
+
 def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
-    """A row's sentences joined in order (with --sentence-silence between), peak-normalised."""
+    """A row's sentences joined in order (with --sentence-silence between), peak-normalised.
+    Raises ClipRejected for a piece that is no speech (`clip_fault`): checked per piece, before the
+    silence between pieces and the normalisation could hide it."""
+    for i, part in enumerate(parts):
+        fault = clip_fault(np.asarray(part))
+        if fault:
+            raise ClipRejected(fault if len(parts) == 1 else f"piece {i + 1} of {len(parts)}: {fault}")
     if len(parts) == 1:
         audio = parts[0]
     else:
@@ -186,6 +211,10 @@ class EngineSet:
     def prepare(self, row: Row) -> tuple[str, Prepared]:
         """Open (or reuse) the engine for the row's voice and prepare the row; returns the batch
         group (rows of one group may share a batch) and the prepared row. Raises RowRejected."""
+        for column, value in (("voice", row.voice), ("prompt_wav", row.prompt_wav)):
+            if value is not None and "\x00" in value:
+                # A NUL cannot be in a path or a name: the OS refuses it with a ValueError that would end the job.
+                raise RowRejected(f"{column} {value!r} holds a NUL byte; a {column} is a name or a path without one")
         voice = row.voice or self.cfg.voice
         engine = self.get(voice, from_row=row.voice is not None)
         from_row = row.voice is not None or row.prompt_wav is not None
@@ -264,7 +293,10 @@ def render_rows(finished: list[PendingRow], engines: EngineSet, cfg: RunConfig) 
         row = pending.row
         if pending.error:
             failures.append({"id": row.id, "row": row.index, "reason": pending.error})
-        else:
+            continue
+        try:
             items.append(render_item(row, pending.text, pending.parts, engines.by_voice[pending.voice], cfg,
                                      pending.label, pending.instruct))
+        except ClipRejected as exc:
+            failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
     return items, failures

@@ -195,7 +195,8 @@ def test_aliases_come_from_the_engines():
     piper = {a.option for a in engine_class("piper").aliases}
     cosy = {a.option for a in engine_class("cosyvoice").aliases}
     assert piper == {"voice_dir", "speaker", "precision", "noise_scale", "length_scale", "noise_w"}
-    assert cosy == {"model", "speaker", "prompt_wav", "prompt_text", "prompt_dir", "instruct", "precision"}
+    assert cosy == {"model", "speaker", "prompt_wav", "prompt_text", "prompt_dir", "instruct", "precision",
+                    "max_instruct_chars", "max_prompt_text_chars"}
 
 
 def test_an_alias_flag_sets_its_engine_option():

@@ -424,6 +424,8 @@ class VoiceBank:
         if not isinstance(prompt_text, str):
             raise PromptError(f"prompt text for {str(wav_path)!r} must be a string, got {type(prompt_text).__name__}")
         path = Path(wav_path).expanduser()
+        if "\x00" in str(path):  # the OS refuses it with a ValueError, not an OSError
+            raise PromptError(f"prompt audio {str(path)!r}: a path cannot hold a NUL byte")
         try:
             resolved = path.resolve()
             st = resolved.stat()

@@ -45,6 +45,13 @@ STAGE_DEFAULTS = {
 # token rate), plus this many for its text, the segment and control ids; longer ones grow the pool.
 PROMPT_SECONDS_RESERVED = 30
 PROMPT_TEXT_RESERVED = 200
+# Upstream's instructions and prompt transcripts are a sentence or two (a 30 s prompt says about
+# 500 characters). 1,000 characters is about 250 text tokens: with a 30 s prompt and the longest
+# segment it still fits the decode slot the pool reserves, while 100,000 ran the LM out of memory.
+MAX_INSTRUCT_CHARS = 1000
+MAX_PROMPT_TEXT_CHARS = 1000
+# The speech tokens the LM may make per text token of a segment (its decode bound), plus the segment itself.
+LM_TOKENS_PER_TEXT_TOKEN = 21
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class CosyVoiceOptions:
     """fp32, or bf16/fp16: the LM's and the flow's weights converted once at load (the vocoder stays fp32)."""
     max_segment_tokens: int = MAX_SEGMENT_TOKENS
     """Text tokens per LM segment (upstream packs about 80)."""
+    max_instruct_chars: int = MAX_INSTRUCT_CHARS
+    """Longest instruction (a row's instruct, or --instruct) in characters; a longer row fails with the reason."""
+    max_prompt_text_chars: int = MAX_PROMPT_TEXT_CHARS
+    """Longest prompt transcript (a row's prompt_text, or --prompt-text) in characters; a longer row fails."""
     lm_slots: Optional[int] = None
     """Decode slots of the LM (continuous batching); unset: 16 on CPU, 64 on CUDA."""
     flow_batch: Optional[int] = None
@@ -86,7 +97,7 @@ class CosyVoiceOptions:
             raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
         if self.flow_backend not in ("torch", "onnx", "tensorrt"):
             raise UsageError(f"--engine-opt flow_backend must be torch, onnx or tensorrt (got {self.flow_backend!r})")
-        for name in ("lm_slots", "flow_batch", "hift_batch"):
+        for name in ("lm_slots", "flow_batch", "hift_batch", "max_instruct_chars", "max_prompt_text_chars"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UsageError(f"--engine-opt {name} must be at least 1 (got {getattr(self, name)})")
 
@@ -108,6 +119,10 @@ class CosyVoiceEngine(Engine):
         Alias("instruct", str, "the default instruction (emotion, speed, dialect, style) for rows without an "
                                "instruct column value."),
         Alias("precision", str, "fp32|bf16|fp16."),
+        Alias("max_instruct_chars", int, f"longest instruction in characters (default {MAX_INSTRUCT_CHARS}); "
+                                         "a longer row fails."),
+        Alias("max_prompt_text_chars", int, f"longest prompt transcript in characters (default "
+                                            f"{MAX_PROMPT_TEXT_CHARS}); a longer row fails."),
     )
 
     @classmethod
@@ -137,6 +152,8 @@ class CosyVoiceEngine(Engine):
         self.corpus_dir = Path(options.corpus_dir)
         self.prompt_dir = opts.prompt_dir
         self.max_segment_tokens = opts.max_segment_tokens
+        self.max_instruct_chars = opts.max_instruct_chars
+        self.max_prompt_text_chars = opts.max_prompt_text_chars
 
         cuda = torch.cuda.is_available()
         if options.device == "cuda" and not cuda:
@@ -201,6 +218,9 @@ class CosyVoiceEngine(Engine):
         # The job's default voice is checked now: a bad --speaker or --prompt-wav is a usage error.
         self.default_voice = None
         try:
+            reason = self._length_refusal(prompt_text, self.default_instruct)
+            if reason:
+                raise UsageError(f"the job's default {reason}")
             if prompt_wav is not None:
                 self.default_voice = self.voices.prompt(Path(prompt_wav), prompt_text)
                 self.voice_name = f"prompt:{Path(prompt_wav).name}"
@@ -274,6 +294,24 @@ class CosyVoiceEngine(Engine):
         prompt = PROMPT_SECONDS_RESERVED * self.config.token_frame_rate + PROMPT_TEXT_RESERVED
         return prompt + 21 * self._longest_segment() + 1
 
+    def lm_context_tokens(self) -> int:
+        """The positions one row's segment may take in the LM: the decode slot the pool reserves (a
+        30 s prompt, its text and instruction, the longest segment and the speech tokens it may make).
+        A longer prompt would grow every slot of the pool and its attention (100,000 characters of
+        instruction took the tiny model past 12 GB), so such a row fails instead."""
+        return self._slot_capacity()
+
+    def _length_refusal(self, prompt_text: Optional[str], instruct: Optional[str]) -> Optional[str]:
+        """Why a prompt transcript or instruction is too long to read (None: it is not); checked on
+        characters before anything tokenises or normalises it."""
+        for column, value, limit, option in (("prompt_text", prompt_text, self.max_prompt_text_chars,
+                                              "max_prompt_text_chars"),
+                                             ("instruct", instruct, self.max_instruct_chars, "max_instruct_chars")):
+            if value is not None and len(value) > limit:
+                return (f"{column} is {len(value):,} characters, over the limit of {limit:,} "
+                        f"(--{option.replace('_', '-')}); shorten it")
+        return None
+
     def _tokens_per_text_token(self) -> int:
         return TOKENS_PER_TEXT_TOKEN * self.config.token_frame_rate // 25
 
@@ -320,6 +358,8 @@ class CosyVoiceEngine(Engine):
         """A corpus row's prompt path: relative to the corpus folder, and inside it or --prompt-dir.
 
         A corpus is untrusted input: it may not make the job read (or probe for) files elsewhere."""
+        if "\x00" in value:  # the OS refuses it with a ValueError, not an OSError
+            raise RowRejected(f"prompt_wav {value!r} holds a NUL byte; a path cannot")
         path = (self.corpus_dir / value).resolve()
         roots = [self.corpus_dir.resolve()] + ([self.prompt_dir.resolve()] if self.prompt_dir else [])
         if not any(path.is_relative_to(root) for root in roots):
@@ -380,6 +420,10 @@ class CosyVoiceEngine(Engine):
         from ...cosyvoice.frontend.text import frontend_segments
         from ...cosyvoice.pipeline import Segment
 
+        if voice is not None:
+            reason = self._length_refusal(voice.prompt_text, voice.instruct)
+            if reason:
+                raise RowRejected(reason)
         chosen = self._voice(voice)
         instruct = voice.instruct if voice is not None and voice.instruct is not None else self.default_instruct
         if instruct is not None:
@@ -399,6 +443,17 @@ class CosyVoiceEngine(Engine):
         # A prompt's speech tokens ride along in the flow (and in the LM when it reads them).
         prompt_cost = 0 if chosen.prompt_tokens is None else len(chosen.prompt_tokens)
         per_token = self._tokens_per_text_token()
+        # What one segment may cost the LM at most: its prompt (prompt text or instruction, the
+        # prompt's speech tokens when the LM reads them, control ids) and the segment with the
+        # speech tokens it may make. Over the slot the pool reserves, the row fails.
+        lm_prompt = len(prompt_text) + (len(chosen.prompt_tokens) if lm_speech else 0) + 3
+        longest = max(len(tokens) for _, tokens in segments)
+        needed = lm_prompt + LM_TOKENS_PER_TEXT_TOKEN * longest + 1
+        if needed > self.lm_context_tokens():
+            raise RowRejected(f"the row needs {needed:,} LM positions (prompt text and instruction {len(prompt_text):,}"
+                              f" tokens, prompt speech {lm_prompt - len(prompt_text) - 3:,}, longest segment "
+                              f"{longest} text tokens), over the {self.lm_context_tokens():,} a decode slot "
+                              "holds; shorten the prompt text, instruction or prompt audio")
         costs, payloads = [], []
         for part, (_, tokens) in enumerate(segments):
             payloads.append(Segment(tuple(tokens), chosen, prompt_text, item_seed(self.seed, item_id, part),
