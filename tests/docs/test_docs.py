@@ -27,7 +27,7 @@ Rules, one page at a time:
   `pip config` are checked instead: a local path must exist (and its extras must be defined in
   its pyproject.toml), a `name==version` must be pinned in pyproject.toml or .ci/run, a bare name
   must be a dependency pyproject.toml declares, a file given to `pip config` must exist.
-- The test suite's own commands (`python -m pytest ...`, `ruff check ...`, `bash .ci/run`) are
+- The test suite's own commands (`python -m pytest ...`, `ruff check ...`, `lint-imports`, `bash .ci/run`) are
   checked to be what .ci/run runs, not run (this test is part of that suite).
 - Other blocks (output samples, trees, specs) must use a language from DATA_LANGUAGES; a block
   with no language or another one fails test_every_block_is_run_or_declared_data, so nothing is
@@ -79,7 +79,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 CI_RUN = (ROOT / ".ci" / "run").read_text()
 INSTALL_PREFIXES = ("python3 -m venv ", "python -m venv ", ". .venv/bin/activate", "source .venv/bin/activate",
                     "pip ", "python -m pip ")
-SUITE_PREFIXES = ("python -m pytest", "ruff check", "bash .ci/run")
+SUITE_PREFIXES = ("python -m pytest", "ruff check", "lint-imports", "bash .ci/run")
 
 
 def declared_requirements() -> list[str]:
