@@ -16,12 +16,12 @@ import time
 from typing import Optional
 
 from ..config import RunConfig
-from ..corpus import Corpus
+from ..corpus import Corpus, Row
 from ..engines import engine_check
 from ..store.checkpoint import CORPUS_CHANGES_FILE, Journal, Ledger, differences, jsonl_bytes, write_atomic
 from ..store.repair import check_sizes, repair
 from .committer import DONE, Committer
-from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch
+from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch, source_hash
 from .job import (
     Job,
     RowGate,
@@ -61,10 +61,34 @@ class LocalRunner(Runner):
         self.dropped_batches = 0  # batches skipped after a stop request
         return {"fingerprint": default.fingerprint()}
 
+    def _adopter(self, job: Job):
+        """Whether an item the journal does not list is this job's: its id is in the corpus, made
+        from the same row (source hash) with the job's engine, seed and settings. The corpus is read
+        only when some shard holds such an item."""
+        cfg, engine = job.cfg, self.default_engine
+        settings = {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence, "normalize": cfg.normalize}
+        sources: dict = {}
+
+        def admit(meta: dict) -> Optional[str]:
+            if not sources:
+                sources.update((row.id, source_hash(row)) for row in job.corpus if isinstance(row, Row))
+            if meta.get("id") not in sources:
+                return "its id is not in this corpus"
+            if meta.get("source") != sources[meta["id"]]:
+                return "it was made from a different row (text, voice or prompt)"
+            made = dict(meta.get("settings") or {})
+            made.pop("cosybatch", None)  # the version that wrote it does not change the audio's job
+            if meta.get("engine") != engine.name or meta.get("seed") != cfg.seed or made != settings:
+                return "it was made with other settings (engine, seed or voice settings)"
+            return None
+
+        return admit
+
     def resume(self, job: Job, corpus_was: Optional[dict]):
         out = job.out
         self.journal = Journal(out.journal_path)
-        job.repairs, ledger = repair(out, self.journal)
+        report = repair(out, self.journal, admit=self._adopter(job))
+        job.repairs, job.quarantined, ledger = report.notes, report.quarantined, report.ledger
         if corpus_was and ledger.failures:  # rows that failed in the old corpus may be good in the new one
             log.warning("the corpus changed: the %d earlier failures are tried again", ledger.failures)
             self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
