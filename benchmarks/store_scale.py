@@ -44,7 +44,8 @@ t = time.perf_counter()
 problems = check_sizes(out)
 check_s = time.perf_counter() - t
 assert not notes and not problems and state.items == int(sys.argv[2]), (notes[:3], problems[:3], state.items)
-print(json.dumps({"open_s": open_s, "check_s": check_s}))
+import cosybatch
+print(json.dumps({"open_s": open_s, "check_s": check_s, "package": cosybatch.__file__}))
 """
 
 
@@ -95,11 +96,15 @@ def before_tree(commit: str, into: Path) -> Path:
 def best_of(tree: Path, folder: Path, items: int, repeat: int) -> dict:
     runs = []
     for _ in range(repeat):
+        # cwd=tree: `python -c` puts the working directory first on sys.path.
         proc = subprocess.run([sys.executable, "-c", TIMER, str(folder), str(items)], capture_output=True, text=True,
-                              env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
+                              env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, cwd=tree)
         if proc.returncode:
             raise SystemExit(f"timing with {tree} failed:\n{proc.stderr}")
-        runs.append(json.loads(proc.stdout.splitlines()[-1]))
+        run = json.loads(proc.stdout.splitlines()[-1])
+        if not Path(run.pop("package")).is_relative_to(tree):
+            raise SystemExit(f"the timing imported cosybatch from outside {tree}")
+        runs.append(run)
     return {key: min(r[key] for r in runs) for key in runs[0]}
 
 

@@ -94,7 +94,7 @@ def test_same_size_foreign_bytes_are_caught_by_their_headers(finished):
 
 # -- case 2: a foreign shard dropped in -------------------------------------------------------
 
-def test_another_jobs_shard_is_quarantined(finished, tmp_path):
+def test_another_jobs_shard_is_quarantined(finished, tmp_path, caplog):
     corpus, out, ids = finished
     other_corpus = write_parquet(tmp_path / "other.parquet", rows(3, prefix="other"))
     other = tmp_path / "other"
@@ -106,6 +106,7 @@ def test_another_jobs_shard_is_quarantined(finished, tmp_path):
     [q] = result.stats["quarantined"]
     assert q["shard"] == "shard-000009.tar" and "not in this corpus" in q["reason"]
     assert (out / q["file"]).exists() and not (out / "shard-000009.tar").exists()
+    assert f"moved aside {q['file']}: " in caplog.text  # said on stderr
     stats = json.loads((out / "stats.json").read_text())
     assert stats["quarantined"] == result.stats["quarantined"]
     assert_exactly_once(out, ids)
