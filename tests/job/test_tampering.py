@@ -92,6 +92,23 @@ def test_same_size_foreign_bytes_are_caught_by_their_headers(finished):
     assert_exactly_once(out, ids)
 
 
+def test_an_open_shard_replaced_by_other_bytes_is_made_again(finished):
+    """The open .partial's committed bytes are checked the same way before the run appends to it."""
+    corpus, out, ids = finished
+    path = out / ".cosybatch" / "journal.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert json.loads(lines[-1]) == {"t": "closed", "shard": 3, "items": 3}
+    path.write_bytes(b"".join(lines[:-1]))  # shard 3 is open again, as a killed run leaves it
+    partial = out / "shard-000003.tar.partial"
+    os.replace(out / "shard-000003.tar", partial)
+    foreign = (out / "shard-000000.tar").read_bytes()
+    partial.write_bytes(foreign + b"\0" * max(0, partial.stat().st_size - len(foreign)))
+    result = run(config(corpus, out))
+    assert result.status == "complete" and result.stats["items_done"] == 3
+    assert any("not this shard's bytes" in r for r in result.stats["repairs"]), result.stats["repairs"]
+    assert_exactly_once(out, ids)
+
+
 # -- case 2: a foreign shard dropped in -------------------------------------------------------
 
 def test_another_jobs_shard_is_quarantined(finished, tmp_path, caplog):
