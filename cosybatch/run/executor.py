@@ -108,10 +108,15 @@ def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig
         meta["instruct"] = instruct
     if text != row.text:
         meta["source_text"] = row.text
-    members = {"wav": wav_bytes(audio, engine.sample_rate), "json": json.dumps(meta, ensure_ascii=False).encode()}
+    wav = wav_bytes(audio, engine.sample_rate)
+    # What the audio was, so that verify (and a repair that re-reads it) can tell when it changed;
+    # the source hash, so that a repair adopts the item only for the same row.
+    meta["wav_sha256"] = hashlib.sha256(wav).hexdigest()
+    meta["source"] = source_hash(row)
+    members = {"wav": wav, "json": json.dumps(meta, ensure_ascii=False).encode()}
     record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
               "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate,
-              "source": source_hash(row)}
+              "source": meta["source"], "wav_sha256": meta["wav_sha256"]}
     if instruct is not None:
         record["instruct"] = instruct
     return key, members, record

@@ -228,6 +228,7 @@ class Job:
         self.stop = threading.Event()
         self.interrupted_by: Optional[str] = None
         self.repairs: list[str] = []
+        self.quarantined: list[dict] = []  # {"file", "shard", "reason"}: what a repair set aside as not this job's
         self.last_success: Optional[float] = None  # when a run of this job last completed (stats.json)
         self.progress: Optional[Progress] = None
         self.corpus: Optional[Corpus] = None
@@ -396,6 +397,8 @@ class Job:
                 export(cfg.out, fmt, require_complete=False)
         if status == "complete":
             self.last_success = round(time.time(), 3)
+        if self.quarantined:
+            extra["quarantined"] = self.quarantined
         stats = self._snapshot(status, repairs=self.repairs, problems=problems, **extra)
         write_atomic(cfg.out / STATS_FILE, json_bytes(stats))
         if cfg.metrics_file is not None:

@@ -16,12 +16,14 @@ import time
 from typing import Optional
 
 from ..config import RunConfig
-from ..corpus import Corpus
-from ..engines import engine_check
+from ..corpus import Corpus, Row
+from ..engines import RowRejected, engine_check
+from ..errors import CorpusError
 from ..store.checkpoint import CORPUS_CHANGES_FILE, Journal, Ledger, differences, jsonl_bytes, write_atomic
+from ..store.distributed import shard_of
 from ..store.repair import check_sizes, repair
 from .committer import DONE, Committer
-from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch
+from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch, source_hash
 from .job import (
     Job,
     RowGate,
@@ -61,10 +63,42 @@ class LocalRunner(Runner):
         self.dropped_batches = 0  # batches skipped after a stop request
         return {"fingerprint": default.fingerprint()}
 
+    def _adopter(self, job: Job):
+        """Whether an item the journal does not list is this job's: its id is in the corpus, made
+        from the same row (source hash) with the engine, seed and settings this job would use for
+        that row. The corpus is read only when some shard holds such an item."""
+        cfg = job.cfg
+        rows: dict = {}  # id -> (source hash, the row's voice)
+
+        def admit(meta: dict) -> Optional[str]:
+            if not rows:
+                rows.update(_rows_of_this_job(job.corpus, cfg))
+            if meta.get("id") not in rows:
+                return "its id is not in this corpus" + (" part" if cfg.shard_count is not None else "")
+            source, voice = rows[meta["id"]]
+            if "source" not in meta:
+                return "its KEY.json has no source hash (written before cosybatch recorded one), so its row is unknown"
+            if meta["source"] != source:
+                return "it was made from a different row (text, voice or prompt)"
+            try:
+                engine = self.engines.get(voice or cfg.voice, from_row=voice is not None)
+            except RowRejected as exc:
+                return f"its row's voice does not load here ({exc})"
+            settings = {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence, "normalize": cfg.normalize}
+            made = meta.get("settings")
+            made = {k: v for k, v in made.items() if k != "cosybatch"} if isinstance(made, dict) else None
+            # (the version that wrote it does not change what the job asked for)
+            if meta.get("engine") != engine.name or meta.get("seed") != cfg.seed or made != settings:
+                return "it was made with other settings (engine, seed or voice settings)"
+            return None
+
+        return admit
+
     def resume(self, job: Job, corpus_was: Optional[dict]):
         out = job.out
         self.journal = Journal(out.journal_path)
-        job.repairs, ledger = repair(out, self.journal)
+        report = repair(out, self.journal, admit=self._adopter(job))
+        job.repairs, job.quarantined, ledger = report.notes, report.quarantined, report.ledger
         if corpus_was and ledger.failures:  # rows that failed in the old corpus may be good in the new one
             log.warning("the corpus changed: the %d earlier failures are tried again", ledger.failures)
             self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
@@ -182,3 +216,21 @@ class LocalRunner(Runner):
             log.warning("%d committed ids changed and %d are no longer in the corpus; see %s", counts["changed"],
                         counts["removed"], cfg.out / CORPUS_CHANGES_FILE)
         return counts
+
+
+def _rows_of_this_job(corpus: Corpus, cfg: RunConfig) -> dict:
+    """id -> (source hash, the row's voice) for the rows this job synthesises: within --limit, in
+    this worker's part (--shard), the first row of a duplicated id."""
+    rows: dict = {}
+    try:
+        for row in corpus:
+            if cfg.limit is not None and row.index >= cfg.limit:
+                break
+            if not isinstance(row, Row) or row.id in rows:
+                continue
+            if cfg.shard_count is not None and shard_of(row.id, cfg.shard_count) != cfg.shard_index:
+                continue
+            rows[row.id] = (source_hash(row), row.voice)
+    except CorpusError:
+        pass  # raised after every readable row was yielded: the run reports it; adopt among those
+    return rows

@@ -40,6 +40,7 @@ STATS_FILE = "stats.json"
 RUN_FILE = "run.json"  # under .cosybatch/: pid, start time and row total of the latest run
 RAY_FAILURES_DIR = "ray-failures"  # under .cosybatch/: ray-run failure records, one file per chunk
 DAMAGED_DIR = "damaged"  # under .cosybatch/: shards a rerun could not use, kept for inspection
+QUARANTINE_DIR = "quarantine"  # under .cosybatch/: bytes that are not this job's (foreign shards), set aside
 CORPUS_CHANGES_FILE = "corpus_changes.jsonl"  # committed ids whose row changed or went (--allow-corpus-change)
 JOB_FORMAT = 1
 
@@ -326,6 +327,7 @@ class OutputDir:
         shutil.rmtree(self.root / "exports", ignore_errors=True)
         shutil.rmtree(self.state / RAY_FAILURES_DIR, ignore_errors=True)
         shutil.rmtree(self.state / DAMAGED_DIR, ignore_errors=True)
+        shutil.rmtree(self.state / QUARANTINE_DIR, ignore_errors=True)
         for name in (JOB_FILE, JOURNAL_FILE, RUN_FILE):
             (self.state / name).unlink(missing_ok=True)
 
@@ -419,7 +421,8 @@ MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("
                     ("voice", "string"), ("duration_s", "float64"), ("num_samples", "int64"),
                     ("sample_rate", "int32"), ("row", "int64"))
 # Columns a manifest has only when some item has the field (so a job without them keeps the schema).
-OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"),)
+# wav_sha256: the sha256 of the item's KEY.wav member (hex); items written before it was recorded have none.
+OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"), ("wav_sha256", "string"))
 
 
 def write_manifest_table(root: Path, records) -> int:

@@ -5,11 +5,14 @@ the manifest names, with a WAV that decodes to the manifest's sample count and r
 `KEY.json` naming the same id; every item in a shard must be in the manifest. `run` does the cheap
 part of this (file sizes and counts, `repair.check_sizes`) before it reports complete; this reads
 every byte, so it also finds damage that keeps a file's size in what it parses (tar headers, WAV
-headers, KEY.json). No checksum of the audio is stored: a flipped bit inside PCM samples passes.
+headers, KEY.json) and, through each item's `wav_sha256` (in the manifest and KEY.json), a
+flipped bit inside the PCM samples. Items written before cosybatch stored that checksum have none:
+their audio is checked by its WAV header and sample count only, and the report says how many.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tarfile
@@ -33,7 +36,22 @@ def verify(root: Path) -> dict:
         problems += [prefix + p for p in folder_problems]
         items += found
         shards += count
-    return {"root": str(root), "ok": not problems, "items": items, "shards": shards, "problems": problems}
+    unchecked = sum(_unchecked(folder) for folder in folders)
+    return {"root": str(root), "ok": not problems, "items": items, "shards": shards, "problems": problems,
+            "items_without_checksum": unchecked}
+
+
+def _unchecked(folder: Path) -> int:
+    """Manifest rows with no wav_sha256 (written before it was stored)."""
+    import pyarrow.parquet as pq
+
+    manifest = folder / MANIFEST_FILE
+    if not manifest.exists():
+        return 0
+    table = pq.read_table(manifest)
+    if "wav_sha256" not in table.column_names:
+        return table.num_rows
+    return table.column("wav_sha256").null_count
 
 
 def _verify_folder(folder: Path) -> tuple[int, list[str], int]:
@@ -119,6 +137,11 @@ def _check_item(shard: str, key: str, entry: dict, expected: dict, soundfile) ->
         return f"{key}.json is not an object"
     if meta.get("id") != row["id"]:
         return f"{key}.json names id {meta.get('id')!r}; the manifest says {row['id']!r}"
+    checksum = row.get("wav_sha256")
+    if meta.get("wav_sha256") != checksum:
+        return f"{key}.json says wav_sha256 {meta.get('wav_sha256')!r}; the manifest says {checksum!r}"
+    if checksum is not None and hashlib.sha256(entry["wav"]).hexdigest() != checksum:
+        return f"{key}.wav does not match its wav_sha256: its audio changed after it was written"
     try:
         info = soundfile.info(io.BytesIO(entry["wav"]))
     except Exception as exc:  # soundfile raises its own error types for undecodable audio
@@ -133,8 +156,12 @@ def _check_item(shard: str, key: str, entry: dict, expected: dict, soundfile) ->
 
 
 def describe(result: dict) -> str:
+    unchecked = result.get("items_without_checksum", 0)
+    note = (f"{unchecked} items were written before cosybatch stored a checksum of the audio: their "
+            "WAV headers and sample counts were checked, not their samples") if unchecked else ""
     if result["ok"]:
-        return f"{result['root']}: ok, {result['items']} items in {result['shards']} shards, all read whole"
+        return f"{result['root']}: ok, {result['items']} items in {result['shards']} shards, all read whole" + \
+            (f"; {note}" if note else "")
     lines = [f"{result['root']}: {len(result['problems'])} problems ({result['items']} good items "
              f"in {result['shards']} shards)"]
-    return "\n".join(lines + [f"  {p}" for p in result["problems"]])
+    return "\n".join(lines + [f"  {p}" for p in result["problems"]] + ([f"  note: {note}"] if note else []))
