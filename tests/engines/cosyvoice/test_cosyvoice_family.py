@@ -267,11 +267,17 @@ def test_default_instruction_is_cleaned_and_fingerprinted(cosyvoice_dir):
     assert describe(" Speak fast. ")["instruct"] == "Speak fast."
 
 
-def test_merge_joins_parts_with_and_without_instructions(tmp_path):
+def test_merge_joins_parts_with_and_without_instructions(tmp_path, monkeypatch):
     """With --shard, one worker's rows may all lack an instruction: its manifest has no instruct
-    column while another's has one; the merged manifest keeps every row and fills the gap."""
+    column while another's has one; the merged manifest keeps every row and fills the gap. The
+    parts here are manifests only, so merge's checks that each part is the same job, finished and
+    whole (tested in tests/ops/test_checked_outputs.py) are passed over: this is about the join."""
+    from cosybatch.store import distributed
     from cosybatch.store.checkpoint import write_manifest_table
     from cosybatch.store.distributed import merge
+
+    monkeypatch.setattr(distributed, "check_same_job", lambda root, parts, count: None)
+    monkeypatch.setattr(distributed, "unmergeable", lambda part: None)
 
     def record(i: int, **extra) -> dict:
         return {"key": f"k{i}", "id": f"r{i}", "shard": "shard-000000.tar", "text": "Hello.", "voice": "spk:alice",
