@@ -1,7 +1,9 @@
 """Do two checkouts write the same dataset? Runs the same five jobs with each and compares the bytes
 of every member of every shard (WAV and KEY.json), which is what a refactor must leave unchanged.
 
-    python benchmarks/same_output.py --before /path/to/old/checkout [--after .]
+    python benchmarks/same_output.py --before /path/to/old/checkout [--after .] [--audio-only]
+
+--audio-only compares the WAV members alone, for a change that adds fields to KEY.json on purpose.
 
 The jobs: the main Piper job on examples/corpus.parquet, a Piper two-stage batch-32 job on 40 rows,
 and a tiny random-weight CosyVoice-300M-SFT, CosyVoice2 and Fun-CosyVoice3 job on 6 rows each. The
@@ -24,12 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def member_digest(out: Path) -> tuple[str, int]:
+def member_digest(out: Path, audio_only: bool = False) -> tuple[str, int]:
     """sha256 over the sorted (member name, sha256 of its bytes) of every shard; the member count."""
     rows = []
     for shard in sorted(out.glob("shard-*.tar")):
         with tarfile.open(shard) as tar:
             for m in tar.getmembers():
+                if audio_only and not m.name.endswith(".wav"):
+                    continue
                 rows.append((m.name, hashlib.sha256(tar.extractfile(m).read()).hexdigest()))
     rows.sort()
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest(), len(rows)
@@ -52,7 +56,7 @@ def jobs(work: Path, models: Path) -> dict[str, list[str]]:
     }
 
 
-def run_all(checkout: Path, work: Path, models: Path, label: str) -> dict[str, tuple[str, int]]:
+def run_all(checkout: Path, work: Path, models: Path, label: str, audio_only: bool) -> dict[str, tuple[str, int]]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     found = {}
     for name, args in jobs(work, models).items():
@@ -61,7 +65,7 @@ def run_all(checkout: Path, work: Path, models: Path, label: str) -> dict[str, t
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{label} {name}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
-        found[name] = member_digest(out)
+        found[name] = member_digest(out, audio_only)
     return found
 
 
@@ -69,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, required=True, help="the checkout to compare against")
     ap.add_argument("--after", type=Path, default=ROOT, help="the checkout under test (default: this one)")
+    ap.add_argument("--audio-only", action="store_true", help="compare the WAV members only")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -78,8 +83,8 @@ def main() -> None:
                                       ("v2", "CosyVoice2-tiny", []), ("v3", "Fun-CosyVoice3-0.5B-tiny", [])]:
             subprocess.run([sys.executable, "-m", "cosybatch.cosyvoice.tiny", "--family", family, *extra,
                             str(models / folder)], env=env, check=True, capture_output=True)
-        before = run_all(args.before.resolve(), work, models, "before")
-        after = run_all(args.after.resolve(), work, models, "after")
+        before = run_all(args.before.resolve(), work, models, "before", args.audio_only)
+        after = run_all(args.after.resolve(), work, models, "after", args.audio_only)
     same = True
     for name in before:
         match = before[name] == after[name]
