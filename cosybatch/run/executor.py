@@ -20,7 +20,7 @@ from ..corpus import Row
 from ..engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
 from ..errors import CosybatchError
 from ..plan import Batch, BudgetGuard, Unit, plan_batches
-from ..store.shards import item_key, wav_bytes
+from ..store.shards import item_key, wav_bytes, wav_checksum
 
 log = logging.getLogger("cosybatch")
 
@@ -111,7 +111,7 @@ def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig
     wav = wav_bytes(audio, engine.sample_rate)
     # What the audio was, so that verify (and a repair that re-reads it) can tell when it changed;
     # the source hash, so that a repair adopts the item only for the same row.
-    meta["wav_sha256"] = hashlib.sha256(wav).hexdigest()
+    meta["wav_sha256"] = wav_checksum(wav)
     meta["source"] = source_hash(row)
     members = {"wav": wav, "json": json.dumps(meta, ensure_ascii=False).encode()}
     record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,

@@ -30,7 +30,6 @@ its final name, and an open shard's committed members before their journal line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -53,7 +52,7 @@ from .checkpoint import (
     OutputDir,
     shard_indices,
 )
-from .shards import TAR_BLOCK, fsync_dir, item_key, shard_name
+from .shards import TAR_BLOCK, fsync_dir, item_key, shard_name, wav_checksum
 
 log = logging.getLogger("cosybatch")
 
@@ -382,7 +381,7 @@ def _item_record(key: str, meta_bytes: bytes, wav: bytes, admit: Optional[Admit]
         return None, f"{key}.json is not a cosybatch item's"
     if not isinstance(record["id"], str) or item_key(record["id"]) != key or len(wav) < 44 + 2 * record["num_samples"]:
         return None, f"{key} is not a whole cosybatch item"
-    if "wav_sha256" in record and hashlib.sha256(wav).hexdigest() != record["wav_sha256"]:
+    if "wav_sha256" in record and wav_checksum(wav) != record["wav_sha256"]:
         return None, f"{key}.wav does not match its wav_sha256: the audio changed after it was written"
     if admit is not None and (why := admit(meta)):
         return None, f"{key} (id {record['id']!r}) is not this job's: {why}"

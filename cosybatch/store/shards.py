@@ -57,6 +57,12 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
+def wav_checksum(wav: bytes) -> str:
+    """`wav_sha256`: what the writer records for a WAV member and what verify and the repair compare
+    it with (hex sha256 of the member's bytes)."""
+    return hashlib.sha256(wav).hexdigest()
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -12,7 +12,6 @@ their audio is checked by its WAV header and sample count only, and the report s
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
@@ -21,6 +20,7 @@ from pathlib import Path
 from ..errors import UsageError
 from .checkpoint import MANIFEST_FILE
 from .distributed import output_dirs
+from .shards import wav_checksum
 
 
 def verify(root: Path) -> dict:
@@ -140,7 +140,7 @@ def _check_item(shard: str, key: str, entry: dict, expected: dict, soundfile) ->
     checksum = row.get("wav_sha256")
     if meta.get("wav_sha256") != checksum:
         return f"{key}.json says wav_sha256 {meta.get('wav_sha256')!r}; the manifest says {checksum!r}"
-    if checksum is not None and hashlib.sha256(entry["wav"]).hexdigest() != checksum:
+    if checksum is not None and wav_checksum(entry["wav"]) != checksum:
         return f"{key}.wav does not match its wav_sha256: its audio changed after it was written"
     try:
         info = soundfile.info(io.BytesIO(entry["wav"]))
