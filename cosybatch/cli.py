@@ -80,16 +80,18 @@ ENGINE_OPTION_ALIASES = _engine_aliases()
 # RunConfig fields the command line spells differently; every other field is `--field-name`,
 # with its type, default and docstring taken from RunConfig itself.
 FROM_OTHER_FLAGS = ("corpus", "shard_index", "shard_count", "max_runtime", "shard_max_bytes", "export",
-                    "engine_options")
+                    "engine_options", "qc_limits")
 FLAG_DECLS = {"out": ("--out", "-o"), "restart": ("--restart",), "allow_corpus_change": ("--allow-corpus-change",)}
 HELP_SUFFIX = {"out": " [default: out/CORPUS-STEM]"}
 # `run --help` in panels; an option named in none (a new RunConfig field) shows under "Operations".
-INPUT, ENGINE, BATCHING, OUTPUT, OPERATIONS = "Input", "Engine", "Batching", "Output", "Operations"
+INPUT, ENGINE, BATCHING, OUTPUT, QUALITY, OPERATIONS = "Input", "Engine", "Batching", "Output", "Quality", "Operations"
 PANELS = {
     INPUT: ("job", "format", "id_col", "text_col", "voice_col", "limit", "max_chars", "allow_corpus_change"),
     ENGINE: ("engine", "voice", "engine_opt", "device", "memory_fraction", "threads", "seed"),
     BATCHING: ("batch_size", "batch_budget", "workers", "window"),
     OUTPUT: ("out", "sentence_silence", "normalize", "shard_max_items", "shard_max_mb", "export", "restart"),
+    QUALITY: ("qc", "qc_asr_rows", "qc_sample", "qc_asr_model", "qc_max_cer", "qc_max_wer", "qc_retries",
+              "qc_on_fail"),
     OPERATIONS: ("max_runtime", "max_failures", "shard", "metrics_file", "pushgateway", "metrics_job", "progress",
                  "log_every", "check"),
 }
@@ -207,6 +209,15 @@ def _spec_values(ctx: typer.Context, job: Path) -> dict:
                 raise UsageError(f"--job {job}: engine_options must be a table of KEY = value")
             spec_options.update(value)
             continue
+        if key == "qc" and isinstance(value, dict):  # the [qc] table: mode, the qc_* options, thresholds
+            qc_values, limits = _qc_table(job, value, hints)
+            for name, given in qc_values.items():
+                source = ctx.get_parameter_source(name)
+                if source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
+                    values[name] = given
+            if limits:
+                values["qc_limits"] = limits
+            continue
         if key in ENGINE_OPTION_ALIASES:  # a spec's alias keys are its engine options; flags override both
             spec_options.setdefault(key, value)
             continue
@@ -223,6 +234,21 @@ def _spec_values(ctx: typer.Context, job: Path) -> dict:
     if spec_options:
         values["engine_options"] = spec_options
     return values
+
+
+def _qc_table(job: Path, table: dict, hints: dict) -> tuple[dict, dict]:
+    """A job spec's [qc] table -> (qc_* option values, signal thresholds). `mode` is --qc; a key
+    named like a --qc-* flag without its prefix sets that flag; the rest are thresholds, checked by
+    RunConfig against the known names."""
+    values, limits = {}, {}
+    for key, value in table.items():
+        key = str(key).replace("-", "_")
+        name = "qc" if key == "mode" else f"qc_{key}"
+        if name in hints and name != "qc_limits":
+            values[name] = _typed(job, f"qc.{key}", value, hints[name])
+        else:
+            limits[key] = value
+    return values, limits
 
 
 def _typed(job: Path, key: str, value, hint):
@@ -276,7 +302,8 @@ def _build_config(v: dict) -> RunConfig:
 
 # The `run` options ray-run takes on its command line (a job spec may hold any; ray-run refuses
 # those it cannot honour), declared once: in RunConfig.
-RAY_RUN_SHARED = ("corpus", "out", "voice", "engine", "engine_opt", "batch_size", "seed", "restart", "progress")
+RAY_RUN_SHARED = ("corpus", "out", "voice", "engine", "engine_opt", "batch_size", "seed", "restart", "progress", "qc",
+                  "qc_asr_rows", "qc_max_cer", "qc_retries", "qc_on_fail")
 RAY_FLAGS = ("address", "actors", "num_gpus", "num_cpus", "rows_per_task")
 
 

@@ -88,6 +88,26 @@ class RunConfig:
     allow_corpus_change: bool = False
     """Resume although the corpus file changed: committed ids are kept, new ids synthesised, and
     committed rows that changed or went are listed in corpus_changes.jsonl."""
+    qc: str = "signals"
+    """Quality checks: off; signals (measured and recorded per clip, nothing dropped); gate (a flagged clip is
+    made again, then dropped or kept per --qc-on-fail); asr (gate, plus a Whisper round trip scored by CER)."""
+    qc_asr_rows: str = "flagged"
+    """With --qc asr, which clips the ASR hears: flagged (by the cheap signals), all, or sample (flagged ones
+    and a seeded --qc-sample share of the rest)."""
+    qc_sample: float = 0.1
+    """Share of unflagged clips transcribed with --qc-asr-rows sample."""
+    qc_asr_model: Optional[Path] = None
+    """CTranslate2 Whisper folder for --qc asr; unset: Whisper tiny.en from the cosybatch[qc] extra."""
+    qc_max_cer: float = 0.2
+    """A transcribed clip fails above this character error rate."""
+    qc_max_wer: Optional[float] = None
+    """A transcribed clip fails above this word error rate (unset: WER is recorded, not gated)."""
+    qc_retries: int = 2
+    """Takes of a failing row after the first, each with a new seed."""
+    qc_on_fail: str = "drop"
+    """A row with no passing take: drop (fails, with the reason) or keep (its best take, marked qc.pass false)."""
+    qc_limits: dict = field(default_factory=dict)
+    """The signal thresholds (`[qc]` table of a job spec): max_z, max_gap_s, min_speech_share, ..."""
     progress: str = "auto"
     """auto (bar on a terminal, log lines otherwise), bar, log or none."""
     log_every: float = 30.0
@@ -117,6 +137,7 @@ class RunConfig:
             raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from hf, nemo, lhotse")
         if self.max_runtime is not None and not 0 < self.max_runtime < float("inf"):
             raise UsageError("--max-runtime must be a finite number of seconds > 0")
+        self.qc_settings()  # mode, rows, limits are valid
         from .gpu import validate_fraction
 
         validate_fraction(self.memory_fraction)
@@ -139,6 +160,24 @@ class RunConfig:
             return count, None
         except ValueError:
             raise UsageError(f"--max-failures {self.max_failures!r}: give a count (100) or a percentage (2%)") from None
+
+    def qc_settings(self):
+        """The quality gate's settings (cosybatch.qc.gate.QCSettings), checked."""
+        from .qc.gate import Limits, QCSettings
+
+        unknown = set(self.qc_limits) - set(Limits.names())
+        if unknown:
+            raise UsageError(f"[qc]: unknown threshold(s) {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(Limits.names())}")
+        try:
+            limits = Limits(**{**self.qc_limits, "max_cer": self.qc_max_cer, "max_wer": self.qc_max_wer})
+        except TypeError as exc:
+            raise UsageError(f"[qc]: {exc}") from None
+        for name in Limits.names():
+            value = getattr(limits, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise UsageError(f"[qc] {name} = {value!r} should be a number")
+        return QCSettings(self.qc, self.qc_asr_rows, self.qc_sample, self.qc_retries, self.qc_on_fail, limits)
 
     def engine_class(self):
         from .engines import engine_class

@@ -25,7 +25,9 @@ class Stats:
     real_frames: int = 0
     padded_frames: int = 0
     oom_retries: int = 0  # batches split in halves after running out of (GPU) memory
-    stage_s: dict = field(default_factory=lambda: dict.fromkeys(("load", "read", "prepare", "infer", "write"), 0.0))
+    stage_s: dict = field(default_factory=lambda: dict.fromkeys(("load", "read", "prepare", "infer", "qc", "write"),
+                                                                0.0))
+    qc: Optional[dict] = None  # the quality gate's summary (cosybatch.qc.gate.QCCounts.summary)
     previous_items_done: int = 0
     previous_items_failed: int = 0
     previous_audio_s: float = 0.0
@@ -57,6 +59,7 @@ class Stats:
                 "items_failed": self.previous_items_failed + self.items_failed,
                 "audio_seconds": round(self.previous_audio_s + self.audio_s, 3),
             },
+            **({"qc": self.qc} if self.qc is not None else {}),
             **extra,
         }
 
@@ -73,6 +76,7 @@ class Progress:
         self.total = total
         self.initial = initial
         self.count = initial
+        self.retakes = 0  # rows the quality gate had made again
         self.audio_s = 0.0
         self.every_s = every_s
         self.started = time.monotonic()
@@ -90,7 +94,8 @@ class Progress:
         rate = self.audio_s / max(now - self.started, 1e-9)
         if self._bar is not None:
             self._bar.update(items)
-            self._bar.set_postfix_str(f"{rate:.1f} audio-s/s", refresh=False)
+            retakes = f", {self.retakes} retakes" if self.retakes else ""
+            self._bar.set_postfix_str(f"{rate:.1f} audio-s/s{retakes}", refresh=False)
         elif self.mode == "log" and now - self._last_log >= self.every_s:
             self._last_log = now
             self.log_line(rate)
@@ -102,7 +107,12 @@ class Progress:
         if self.total and self.count:
             per_item = elapsed / max(self.count - self.initial, 1)
             eta = f", eta {max(self.total - self.count, 0) * per_item:.0f}s"
-        log.info("progress: %s items, %.1f audio-s/s%s", done, rate, eta)
+        retakes = f", {self.retakes} qc retakes" if self.retakes else ""
+        log.info("progress: %s items, %.1f audio-s/s%s%s", done, rate, retakes, eta)
+
+    def retake(self, rows: int) -> None:
+        """The quality gate makes `rows` rows again (shown beside the rate)."""
+        self.retakes += rows
 
     def close(self) -> None:
         if self._bar is not None:

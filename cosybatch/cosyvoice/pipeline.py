@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..qc.signals import token_repetition
 from .flow.cfm import FlowInput
 from .lm.pool import DecoderLM, LMRequest, PoolStats, Sampling
 from .model import ModelConfig, load_flow, load_hift, read_config
@@ -119,9 +120,10 @@ class Pipeline:
     segment_tokens: int
     cuda_graphs: bool = True
 
-    def synthesize(self, segs: Sequence[Segment]) -> tuple[list[np.ndarray], PoolStats]:
-        """One waveform per segment (empty where the LM made no tokens), and the LM's pool statistics."""
-        tokens, lm_stats = self.decode(segs)
+    def synthesize(self, segs: Sequence[Segment]) -> tuple[list[np.ndarray], PoolStats, list[dict]]:
+        """One waveform per segment (empty where the LM made no tokens), the LM's pool statistics,
+        and per segment what the LM did: why it stopped, its tokens and how they repeat (for QC)."""
+        tokens, lm_stats, lm_info = self.decode(segs)
         items = [
             FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
             for s, t in zip(segs, tokens, strict=True)
@@ -135,10 +137,11 @@ class Pipeline:
         audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
         for i, wav in self.vocode(mels, seeds).items():
             audio[i] = wav
-        return audio, lm_stats
+        return audio, lm_stats, lm_info
 
-    def decode(self, segs: Sequence[Segment]) -> tuple[list[list[int]], PoolStats]:
-        """Speech tokens per segment (the family's finishing rule applied), decoded in the slot pool."""
+    def decode(self, segs: Sequence[Segment]) -> tuple[list[list[int]], PoolStats, list[dict]]:
+        """Speech tokens per segment (the family's finishing rule applied), decoded in the slot
+        pool; the pool statistics; per segment its stop reason and repetition (of the raw tokens)."""
         requests = [
             LMRequest(
                 text=s.text_tokens,
@@ -150,7 +153,9 @@ class Pipeline:
             for s in segs
         ]
         tokens, lm_stats = self.lm.decode(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
-        return [self.lm.finish_tokens(t) for t in tokens], lm_stats
+        info = [{"stop": r.stop, "tokens": len(t), **token_repetition(t)}
+                for r, t in zip(requests, tokens, strict=True)]
+        return [self.lm.finish_tokens(t) for t in tokens], lm_stats, info
 
     def flow(self, items: Sequence[FlowInput], seeds: Sequence[int], frames: dict[int, int]) -> dict[int, torch.Tensor]:
         """Mels of the items in ``frames`` (item index -> mel frames), longest first, in chunks of at

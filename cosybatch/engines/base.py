@@ -57,6 +57,10 @@ class Synthesised:
     # CosyVoice: LM decode slot-steps): what the units needed, and what the batch computed.
     real_frames: int
     padded_frames: int
+    # Optional, per unit: what an LM-based engine knows of how each piece ended, for the quality
+    # signals: {"stop": "eos" | "length_cap" | "nonfinite", "tokens": n, "token_run": longest run of
+    # one token, "repeat_4gram": share of repeated 4-grams}. None: the engine has no such signals.
+    lm: Optional[list] = None
 
 
 @dataclass(frozen=True)
@@ -168,9 +172,13 @@ class Engine(abc.ABC):
         return {"engine": self.name, "device": self.device, **engine_describe(self)}
 
     @abc.abstractmethod
-    def prepare(self, text: str, item_id: str, voice: VoiceRequest) -> Prepared:
+    def prepare(self, text: str, item_id: str, voice: VoiceRequest, attempt: int = 0) -> Prepared:
         """A row's text -> pieces with costs (the planner batches pieces of similar cost). Raise
-        RowRejected with a reason for a row this engine cannot speak. Thread-safe."""
+        RowRejected with a reason for a row this engine cannot speak. Thread-safe.
+
+        ``attempt`` > 0 when the quality gate asks for the row again: fold it into the pieces' seeds
+        (``item_seed(seed, id, part, attempt)``) so the new take differs. An engine whose
+        ``prepare`` takes no ``attempt`` is never asked again (its rows get one take)."""
 
     @abc.abstractmethod
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:
@@ -186,10 +194,11 @@ class Engine(abc.ABC):
         return MemoryPlan()
 
 
-def item_seed(job_seed: int, item_id: str, part: int) -> int:
-    """The seed of one piece's randomness: the same for the same (job seed, id, piece) in any
-    batch, on any worker, in any rerun."""
-    digest = hashlib.blake2b(f"{job_seed}\x00{item_id}\x00{part}".encode(), digest_size=8).digest()
+def item_seed(job_seed: int, item_id: str, part: int, attempt: int = 0) -> int:
+    """The seed of one piece's randomness: the same for the same (job seed, id, piece, attempt) in
+    any batch, on any worker, in any rerun. Attempt 0 is the seed rows always had."""
+    key = f"{job_seed}\x00{item_id}\x00{part}" + (f"\x00{attempt}" if attempt else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 

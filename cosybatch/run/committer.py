@@ -20,7 +20,8 @@ from ..metrics import BatchHistogram
 from ..stats import Progress, Stats, failure_summary
 from ..store.checkpoint import FAILURES_FILE, Journal, ResumeState
 from ..store.shards import ShardWriter
-from .executor import EngineSet, Outcome, RowAssembler, render_rows
+from .executor import Outcome, RowAssembler
+from .finish import RowFinisher
 
 log = logging.getLogger("cosybatch")
 
@@ -29,10 +30,10 @@ DONE = object()  # put on a queue: no more work
 
 class Committer:
     def __init__(self, cfg: RunConfig, journal: Journal, state: ResumeState, stats: Stats, progress: Progress,
-                 assembler: RowAssembler, engines: EngineSet, stop: threading.Event,
+                 assembler: RowAssembler, finisher: RowFinisher, stop: threading.Event,
                  uncommitted: threading.Semaphore, after_commit: Callable[[], None]):
         self.cfg, self.journal, self.stats, self.progress = cfg, journal, stats, progress
-        self.assembler, self.engines, self.stop, self.uncommitted = assembler, engines, stop, uncommitted
+        self.assembler, self.finisher, self.stop, self.uncommitted = assembler, finisher, stop, uncommitted
         self.after_commit = after_commit
         self.shard = ShardWriter(cfg.out, state.open_shard, state.open_offset, state.open_items) \
             if state.open_shard is not None else None
@@ -84,8 +85,8 @@ class Committer:
             self.too_many_failures = True
             self.stop.set()
 
-    def commit_batch(self, outcome: Outcome) -> None:
-        t = time.monotonic()
+    def account(self, outcome: Outcome) -> None:
+        """A batch's work in the statistics (the run's batches and the quality gate's retakes)."""
         stats = self.stats
         stats.batches += 1
         stats.batch_sizes[len(outcome.batch.units)] += 1
@@ -94,7 +95,15 @@ class Committer:
         stats.oom_retries += outcome.oom_retries
         stats.stage_s["infer"] += outcome.infer_s
         self.batch_seconds.observe(outcome.infer_s)
-        rendered, failures = render_rows(self.assembler.take(outcome), self.engines, self.cfg)
+
+    def commit_batch(self, outcome: Outcome) -> None:
+        t = time.monotonic()
+        stats = self.stats
+        self.account(outcome)
+        qc_s = self.finisher.seconds
+        rendered, failures = self.finisher.finish(self.assembler.take(outcome))
+        qc_s = self.finisher.seconds - qc_s
+        stats.stage_s["qc"] += qc_s
         items = []
         mtime = int(time.time())
         for key, members, record in rendered:
@@ -116,7 +125,7 @@ class Committer:
         if self.shard is not None and (self.shard.items >= self.cfg.shard_max_items
                                        or self.shard.offset >= self.cfg.shard_max_bytes):
             self.close_shard()
-        stats.stage_s["write"] += time.monotonic() - t
+        stats.stage_s["write"] += time.monotonic() - t - qc_s
         self.after_commit()
 
     def close_shard(self) -> None:

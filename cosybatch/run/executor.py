@@ -20,6 +20,7 @@ from ..corpus import Row
 from ..engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
 from ..errors import CosybatchError
 from ..plan import Batch, BudgetGuard, Unit, plan_batches
+from ..qc.gate import qc_columns
 from ..store.shards import item_key, wav_bytes, wav_checksum
 
 log = logging.getLogger("cosybatch")
@@ -35,12 +36,14 @@ class PendingRow:
     error: Optional[str] = None
     label: Optional[str] = None  # the row's voice for the manifest (multi-voice engines)
     instruct: Optional[str] = None  # the instruction it is spoken with, for the manifest
+    lm: Optional[list] = None  # per piece, what an LM-based engine said of it (Synthesised.lm)
 
 
 @dataclass
 class Outcome:
     batch: Batch
     audio: list  # per unit: np.ndarray, or an error string
+    lm: Optional[list] = None  # per unit: the engine's Synthesised.lm entry, when it gives them
     real_frames: int = 0
     padded_frames: int = 0
     infer_s: float = 0.0
@@ -90,11 +93,12 @@ def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
     return audio
 
 
-def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig,
-                voice: Optional[str] = None, instruct: Optional[str] = None) -> tuple[str, dict, dict]:
-    """A finished row -> (shard key, tar members {ext: bytes}, manifest record). `voice` is the
-    row's own voice when the engine serves several (fixed when the row was prepared)."""
-    audio = assemble_audio(parts, engine.sample_rate, cfg)
+def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: RunConfig,
+                voice: Optional[str] = None, instruct: Optional[str] = None,
+                qc: Optional[dict] = None) -> tuple[str, dict, dict]:
+    """A finished row's clip (from `assemble_audio`) -> (shard key, tar members {ext: bytes},
+    manifest record). `voice` is the row's own voice when the engine serves several (fixed when
+    the row was prepared); `qc` is the quality gate's record of it (KEY.json "qc")."""
     key = item_key(row.id)
     voice = voice or engine.voice_name
     meta = {
@@ -108,6 +112,8 @@ def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig
         meta["instruct"] = instruct
     if text != row.text:
         meta["source_text"] = row.text
+    if qc is not None:
+        meta["qc"] = qc
     wav = wav_bytes(audio, engine.sample_rate)
     # What the audio was, so that verify (and a repair that re-reads it) can tell when it changed;
     # the source hash, so that a repair adopts the item only for the same row.
@@ -119,6 +125,8 @@ def render_item(row: Row, text: str, parts: list, engine: Engine, cfg: RunConfig
               "source": meta["source"], "wav_sha256": meta["wav_sha256"]}
     if instruct is not None:
         record["instruct"] = instruct
+    if qc is not None:
+        record.update(qc_columns(qc))
     return key, members, record
 
 
@@ -159,6 +167,11 @@ def run_batch(engine: Engine, batch: Batch, guard: Optional[BudgetGuard] = None)
         if error is None:
             for i, audio in zip(indices, syn.audio, strict=True):
                 outcome.audio[i] = audio
+            if syn.lm is not None:
+                if outcome.lm is None:
+                    outcome.lm = [None] * len(batch.units)
+                for i, info in zip(indices, syn.lm, strict=True):
+                    outcome.lm[i] = info
             outcome.real_frames += syn.real_frames
             outcome.padded_frames += syn.padded_frames
         elif oom and len(indices) > 1:
@@ -213,9 +226,10 @@ class EngineSet:
         self.by_voice[key] = engine
         return engine
 
-    def prepare(self, row: Row) -> tuple[str, Prepared]:
+    def prepare(self, row: Row, attempt: int = 0) -> tuple[str, Prepared]:
         """Open (or reuse) the engine for the row's voice and prepare the row; returns the batch
-        group (rows of one group may share a batch) and the prepared row. Raises RowRejected."""
+        group (rows of one group may share a batch) and the prepared row. Raises RowRejected.
+        `attempt` > 0: the quality gate's next take of the row (new seeds)."""
         for column, value in (("voice", row.voice), ("prompt_wav", row.prompt_wav)):
             if value is not None and "\x00" in value:
                 # A NUL cannot be in a path or a name: the OS refuses it with a ValueError that would end the job.
@@ -230,7 +244,8 @@ class EngineSet:
         if row.instruct is not None and not self.cls.takes_instruct:
             raise RowRejected(f"engine {self.cls.name!r} cannot follow an instruction; drop the instruct column "
                               "or use --engine cosyvoice with a model that takes instructions")
-        prepared = engine.prepare(row.text, row.id, request)
+        prepared = (engine.prepare(row.text, row.id, request, attempt=attempt) if attempt
+                    else engine.prepare(row.text, row.id, request))
         if not prepared.pieces:
             raise RowRejected(f"engine {self.cls.name!r} cut the row into no pieces; an engine rejects a row it "
                               "cannot speak")
@@ -279,29 +294,17 @@ class RowAssembler:
         """Put a finished batch's audio (or errors) into its rows; returns the rows now whole, in file order."""
         finished = []
         with self.lock:
-            for unit, audio in zip(outcome.batch.units, outcome.audio, strict=True):
+            for i, (unit, audio) in enumerate(zip(outcome.batch.units, outcome.audio, strict=True)):
                 pending = self.rows[unit.row_key]
                 if isinstance(audio, str):
                     pending.error = pending.error or audio
                 else:
                     pending.parts[unit.part] = audio
+                if outcome.lm is not None and outcome.lm[i] is not None:
+                    if pending.lm is None:
+                        pending.lm = [None] * len(pending.parts)
+                    pending.lm[unit.part] = outcome.lm[i]
                 pending.remaining -= 1
                 if pending.remaining == 0:
                     finished.append(self.rows.pop(unit.row_key))
         return sorted(finished, key=lambda p: p.row.index)
-
-
-def render_rows(finished: list[PendingRow], engines: EngineSet, cfg: RunConfig) -> tuple[list, list[dict]]:
-    """Whole rows -> ([(key, members, record)], [failure records])."""
-    items, failures = [], []
-    for pending in finished:
-        row = pending.row
-        if pending.error:
-            failures.append({"id": row.id, "row": row.index, "reason": pending.error})
-            continue
-        try:
-            items.append(render_item(row, pending.text, pending.parts, engines.by_voice[pending.voice], cfg,
-                                     pending.label, pending.instruct))
-        except ClipRejected as exc:
-            failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
-    return items, failures

@@ -35,6 +35,7 @@ from ..errors import (
     OutputError,
     UsageError,
 )
+from ..qc.gate import QCCounts
 from ..stats import Progress, Stats, failure_summary
 from ..store.checkpoint import (
     DUPLICATE_ID,
@@ -234,6 +235,8 @@ class Job:
         self.corpus: Optional[Corpus] = None
         self._metrics_failed = False
         self._metrics_written = 0.0
+        self.qc_settings = cfg.qc_settings()
+        self.qc_counts = QCCounts()  # the quality gate's counts, filled by the runner
 
     def run(self) -> RunResult:
         """Signals and --max-runtime turn into a clean stop from the very start, model load included."""
@@ -276,7 +279,8 @@ class Job:
     def _open(self, corpus: Corpus, engine_fingerprint: dict) -> tuple[ResumeState, Optional[dict]]:
         """Record the job, or check that the folder holds this job, and read what is committed."""
         cfg = self.cfg
-        fingerprint = job_fingerprint(cfg, corpus, engine_fingerprint, runner=self.runner.name)
+        fingerprint = job_fingerprint(cfg, corpus, engine_fingerprint, runner=self.runner.name,
+                                      asr_model=getattr(self.runner, "asr_model", None))
         adopt_legacy_fingerprint(self.out, cfg, corpus, fingerprint)
         was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
         state, committed = self.runner.resume(self, was)
@@ -344,6 +348,8 @@ class Job:
 
     def _snapshot(self, status: str, **extra) -> dict:
         cfg = self.cfg
+        if self.qc_settings.mode != "off":
+            self.stats.qc = self.qc_counts.summary(self.qc_settings)
         return self.stats.to_dict(
             status=status, out=str(cfg.out), **self.runner.describe(), cosybatch=__version__,
             cold_start_seconds=round(self.stats.stage_s["load"], 3),
@@ -513,14 +519,51 @@ def check(cfg: RunConfig) -> dict:
     configure_gpu_allocator(cfg)  # as a run does, before the device check may import torch
     check_device(cfg)
     resolved = engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
+    model = check_qc(cfg)
     return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
-            "voice": resolved.get("voice", resolved)}
+            "voice": resolved.get("voice", resolved), **({"qc_asr_model": str(model)} if model else {})}
 
 
-def job_fingerprint(cfg: RunConfig, corpus: Corpus, engine: dict, runner: Optional[str] = None) -> dict:
+def check_qc(cfg: RunConfig) -> Optional[Path]:
+    """The ASR model folder `--qc asr` will load (None for the other modes); a usage error, before
+    anything is written, when it or the runtime to run it is missing."""
+    if cfg.qc_settings().mode != "asr":
+        return None
+    from ..qc.asr import _runtime, resolve_model
+
+    _runtime()
+    return resolve_model(cfg.qc_asr_model)
+
+
+def open_transcriber(cfg: RunConfig, model: Optional[Path], device: str):
+    """The ASR model on the engine's device (CUDA when the engine runs there and CTranslate2 has
+    CUDA), or None when the gate does not transcribe."""
+    if model is None:
+        return None
+    import ctranslate2
+
+    from ..qc.asr import Transcriber
+
+    where = "cpu"
+    if device == "cuda":
+        if ctranslate2.get_cuda_device_count() > 0:
+            where = "cuda"
+        else:
+            log.warning("the engine runs on CUDA but CTranslate2 sees no CUDA device: the ASR runs on the CPU")
+    return Transcriber(model, where, threads=max(1, cfg.threads))
+
+
+def job_fingerprint(cfg: RunConfig, corpus: Corpus, engine: dict, runner: Optional[str] = None,
+                    asr_model: Optional[Path] = None) -> dict:
     """Everything that changes the audio or which rows are read: a resume must match it. `engine`
-    is the engine's fingerprint(), the device included (CPU and CUDA audio differ)."""
+    is the engine's fingerprint(), the device included (CPU and CUDA audio differ). A quality gate
+    that retries or drops rows is part of it (its mode, limits and the ASR model's hash); the
+    signals alone change no audio and are not."""
+    from ..cache import file_sha256
+
+    qc = cfg.qc_settings().fingerprint(file_sha256(asr_model / "model.bin") if asr_model else None)
     return {
+        **({"qc": qc} if qc else {}),
         **({"runner": runner} if runner else {}),
         "corpus": corpus.fingerprint(),
         "columns": {"id": cfg.id_col, "text": cfg.text_col, "voice": cfg.voice_col, "format": corpus.format},

@@ -24,6 +24,7 @@ from ..store.distributed import shard_of
 from ..store.repair import check_sizes, repair
 from .committer import DONE, Committer
 from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch, source_hash
+from .finish import RowFinisher
 from .job import (
     Job,
     RowGate,
@@ -31,7 +32,9 @@ from .job import (
     RunResult,
     _output_error,
     check_device,
+    check_qc,
     configure_gpu_allocator,
+    open_transcriber,
     part_config,
     run_job,
 )
@@ -51,6 +54,7 @@ class LocalRunner(Runner):
         # What `run --check` checks, before anything is written: a start that fails here leaves no folder.
         check_device(cfg)
         engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
+        self.asr_model = check_qc(cfg)
         return part_config(cfg)
 
     def start(self, job: Job) -> dict:
@@ -61,6 +65,7 @@ class LocalRunner(Runner):
         self.policy = BatchPolicy.for_engine(job.cfg, default)
         self.workers = self.policy.workers
         self.dropped_batches = 0  # batches skipped after a stop request
+        self.transcriber = open_transcriber(job.cfg, self.asr_model, self.device)
         return {"fingerprint": default.fingerprint()}
 
     def _adopter(self, job: Job):
@@ -104,6 +109,7 @@ class LocalRunner(Runner):
             self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
             ledger = Ledger.replay(out.journal_path)
         self.state = out.resume_state(ledger)
+        self.ledger = ledger
         self.committed_sources = None
         corpus_was = corpus_was or out.unreported_corpus_change()  # also after an interrupted first run
         if corpus_was:  # the corpus changed and --allow-corpus-change accepts it: compare the committed rows
@@ -120,8 +126,13 @@ class LocalRunner(Runner):
         # Batches dispatched but not yet committed, wherever they are (queued, computing, waiting
         # in the results queue or the reorder buffer): bounded, so audio never piles up in memory.
         self.uncommitted = threading.Semaphore(4 * self.workers + 4)
-        self.committer = Committer(cfg, self.journal, self.state, job.stats, job.progress, assembler, self.engines,
+        self.finisher = RowFinisher(cfg, self.engines, self.policy, self.transcriber, counts=job.qc_counts,
+                                    on_retry=job.progress.retake)
+        if self.finisher.settings.mode != "off":  # the committed clips' speech rates carry on in the gate
+            self.finisher.seed_history(job.out.live_items(self.ledger))
+        self.committer = Committer(cfg, self.journal, self.state, job.stats, job.progress, assembler, self.finisher,
                                    job.stop, self.uncommitted, job.metrics_while_running)
+        self.finisher.account = self.committer.account
         self.batch_seconds = self.committer.batch_seconds
         self.producer = Producer(cfg, corpus, gate, self.engines, assembler, self.policy, job.stats,
                                  job.stop, self.uncommitted)

@@ -34,6 +34,7 @@ from ..config import RunConfig, cpu_count
 from ..corpus import BadRow, Corpus, Row
 from ..engines import RowRejected, engine_check
 from ..errors import OutputError, UsageError
+from ..qc.gate import qc_columns
 from ..store.checkpoint import (
     FAILURES_FILE,
     RAY_FAILURES_DIR,
@@ -45,8 +46,9 @@ from ..store.checkpoint import (
     write_manifest_table,
 )
 from ..store.shards import ShardWriter
-from .executor import BatchPolicy, EngineSet, RowAssembler, render_rows, run_batch
-from .job import Job, RowGate, Runner, RunResult, configure_gpu_allocator, run_job
+from .executor import BatchPolicy, EngineSet, RowAssembler, run_batch
+from .finish import RowFinisher
+from .job import Job, RowGate, Runner, RunResult, check_qc, configure_gpu_allocator, open_transcriber, run_job
 
 log = logging.getLogger("cosybatch")
 
@@ -87,6 +89,7 @@ class SynthWorker:
         self.engines = EngineSet(cfg)
         self.default = self.engines.get(cfg.voice, from_row=False)
         self.policy = BatchPolicy.for_engine(cfg, self.default, workers=1)  # an actor runs one batch at a time
+        self.transcriber = open_transcriber(cfg, check_qc(cfg), self.default.device)
 
     def describe(self) -> dict:
         """What the driver needs to know of the engine, so that it never opens one itself."""
@@ -108,15 +111,23 @@ class SynthWorker:
             units += assembler.add(row, prepared, group)
         stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0,
                  "oom_retries": 0}
-        for batch in self.policy.plan(units):
-            outcome = run_batch(self.engines.by_voice[batch.group], batch, self.policy.guard)
+
+        def account(outcome) -> None:
             stats["batches"] += 1
-            stats["batch_sizes"][len(batch.units)] += 1
+            stats["batch_sizes"][len(outcome.batch.units)] += 1
             stats["real_frames"] += outcome.real_frames
             stats["padded_frames"] += outcome.padded_frames
             stats["infer_s"] += outcome.infer_s
             stats["oom_retries"] += outcome.oom_retries
-            done, failed = render_rows(assembler.take(outcome), self.engines, cfg)
+
+        # One finisher per chunk: its counts go back with the chunk (the driver sums them). The
+        # speech-rate history starts anew in each chunk, so the first rows of a chunk are judged
+        # without a z-score (min_history).
+        finisher = RowFinisher(cfg, self.engines, self.policy, self.transcriber, account=account)
+        for batch in self.policy.plan(units):
+            outcome = run_batch(self.engines.by_voice[batch.group], batch, self.policy.guard)
+            account(outcome)
+            done, failed = finisher.finish(assembler.take(outcome))
             rendered += done
             failures += failed
         name = f"shard-{digest}.tar"
@@ -133,6 +144,7 @@ class SynthWorker:
                          jsonl_bytes(failures))
         if shard is not None:
             shard.close()
+        stats["qc"], stats["qc_s"] = finisher.counts.raw(), finisher.seconds
         return {"items": items, "failures": failures, "stats": stats}
 
 
@@ -146,7 +158,8 @@ def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
             items.append({"key": key, "id": meta["id"], "shard": shard.name, "text": meta["text"],
                           "voice": meta["voice"], "duration_s": meta["duration"],
                           "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"],
-                          **({"instruct": meta["instruct"]} if "instruct" in meta else {})})
+                          **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
+                          **(qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {})})
     failures = []
     for path in sorted((out.state / RAY_FAILURES_DIR).glob("*.jsonl")):
         failures += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -203,6 +216,7 @@ class RayRunner(Runner):
                              "(--rows-per-task); remove them from the flags or the job spec")
         self.device = "cuda" if self.opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
         engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(self.device))  # a bad voice: exit 2 here
+        self.asr_model = check_qc(cfg)
         return cfg
 
     def start(self, job: Job) -> dict:
@@ -269,6 +283,10 @@ class RayRunner(Runner):
             stats.padded_frames += s["padded_frames"]
             stats.stage_s["infer"] += s["infer_s"]
             stats.oom_retries += s["oom_retries"]
+            stats.stage_s["qc"] += s["qc_s"]
+            job.qc_counts.merge(s["qc"])
+            if s["qc"]["retries"]:
+                progress.retake(s["qc"]["retries"])
             progress.update(len(result["items"]) + len(result["failures"]), audio_s)
 
         def flush_driver_failures() -> None:

@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..cache import file_fingerprint, file_sha256  # noqa: F401  (re-exported: fingerprints of the job)
 from ..errors import ResumeMismatchError, UsageError
+from ..qc.gate import QC_COLUMNS
 from .shards import fsync_dir, shard_name
 
 STATE_DIR = ".cosybatch"
@@ -422,7 +423,8 @@ MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("
                     ("sample_rate", "int32"), ("row", "int64"))
 # Columns a manifest has only when some item has the field (so a job without them keeps the schema).
 # wav_sha256: the sha256 of the item's KEY.wav member (hex); items written before it was recorded have none.
-OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"), ("wav_sha256", "string"))
+# qc_*: the quality gate's columns (cosybatch.qc.gate.QC_COLUMNS), for items measured by it.
+OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"), ("wav_sha256", "string"), *QC_COLUMNS)
 
 
 def write_manifest_table(root: Path, records) -> int:

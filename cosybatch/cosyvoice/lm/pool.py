@@ -98,6 +98,7 @@ class LMRequest:
     max_tokens: int | None = None  # default: max_ratio x len(text)
     embedding: Tensor | None = None  # the speaker embedding (192,), for LMs that read one (CosyVoice-300M)
     tokens: list[int] = field(default_factory=list)  # filled by generate()
+    stop: str = ""  # filled by generate(): "eos" (its stop token), "length_cap" (max_tokens) or "nonfinite"
 
 
 class DecoderLM(nn.Module):
@@ -198,6 +199,7 @@ class DecoderLM(nn.Module):
         soon as its row stops. Safe to call from several threads: calls take turns."""
         sampling = sampling or Sampling()
         out: list[list[int]] = [[] for _ in requests]
+        stops = ["length_cap"] * len(requests)  # what a row that makes no token (max_tokens 0) hit
         hi = [r.max_tokens if r.max_tokens is not None else int(len(r.text) * max_ratio) for r in requests]
         lo = [r.min_tokens if r.min_tokens is not None else int(len(r.text) * min_ratio) for r in requests]
         todo = [i for i in range(len(requests)) if hi[i] > 0]  # nothing to generate for the others
@@ -212,9 +214,9 @@ class DecoderLM(nn.Module):
             work = [_Work(i, prompts[i], lo[i], hi[i], requests[i].seed) for i in order]
             with self._decoding:
                 pool = self.slot_pool(slots or len(todo), capacity, steps, sampling, cuda_graphs, check_every)
-                stats = pool.run(work, out)
-        for req, tokens in zip(requests, out, strict=True):
-            req.tokens = tokens
+                stats = pool.run(work, out, stops)
+        for req, tokens, stop in zip(requests, out, stops, strict=True):
+            req.tokens, req.stop = tokens, stop
         return out, stats
 
 
@@ -325,6 +327,7 @@ class SlotPool:
         self.hidden = torch.zeros(slots, lm.hidden_size, device=device, dtype=dtype)
         self.pos, self.count, self.lo, self.hi = longs(), longs(), longs(), longs()
         self.done = torch.ones(slots, dtype=torch.bool, device=device)
+        self.nonfinite = torch.zeros(slots, dtype=torch.bool, device=device)  # a row's logits went NaN or infinite
         self.history = longs(-1, sampling.win_size)
         self.uniforms = torch.zeros(slots, max_steps, 2, dtype=torch.float64, device=device)
         self.recent = longs(0, check_every)
@@ -352,10 +355,13 @@ class SlotPool:
     def _rows(self) -> list[Tensor]:
         """Every per-slot tensor (first dimension = slot)."""
         return [*self.k, *self.v, self.hidden, self.pos, self.count, self.lo, self.hi, self.done, self.history,
-                self.uniforms, self.recent, self.recent_live]
+                self.uniforms, self.recent, self.recent_live, self.nonfinite]
 
     # -- scheduling ---------------------------------------------------------------------------
-    def run(self, work: list[_Work], out: list[list[int]]) -> PoolStats:
+    def run(self, work: list[_Work], out: list[list[int]], stops: list[str] | None = None) -> PoolStats:
+        """Decode every request of ``work`` into ``out`` (tokens per request index); ``stops`` gets
+        why each row ended."""
+        stops = stops if stops is not None else [""] * len(out)
         self.stats = PoolStats(graphs=len(self.graphs))
         # A call that failed half-way (out of memory, say) may have left rows behind: drop them.
         self.owner = [None] * self.slots
@@ -376,7 +382,7 @@ class SlotPool:
                 self._run_step(n, window)
             self.stats.steps += steps
             self.stats.slot_steps += steps * n
-            self._harvest(n, steps, out)
+            self._harvest(n, steps, out, stops)
         self.stats.graphs = len(self.graphs) - self.stats.graphs
         return self.stats
 
@@ -406,6 +412,7 @@ class SlotPool:
         self.hi[slots] = values(lambda w: w.hi)
         self.count[slots] = 0
         self.done[slots] = False
+        self.nonfinite[slots] = False
         self.history[slots] = -1
         self.recent_live[slots] = False
         self.uniforms[slots] = uniforms.to(device)
@@ -447,11 +454,11 @@ class SlotPool:
             self.owner[b], self.bound[b], self.left[b] = self.owner[a], self.bound[a], self.left[a]
             self.owner[a] = None
 
-    def _harvest(self, n: int, steps: int, out: list[list[int]]) -> None:
+    def _harvest(self, n: int, steps: int, out: list[list[int]], stops: list[str]) -> None:
         """The loop's one host read: the last ``steps`` tokens of each row, whether it was live for
-        each, and whether it has stopped."""
+        each, whether its logits stayed finite, and whether it has stopped."""
         packed = torch.cat([self.recent[:n, -steps:], self.recent_live[:n, -steps:].long(),
-                            self.done[:n, None].long()], dim=1).tolist()
+                            self.nonfinite[:n, None].long(), self.done[:n, None].long()], dim=1).tolist()
         self.stats.host_syncs += 1
         stop = self.lm.stop_from
         for s in range(n):
@@ -465,6 +472,12 @@ class SlotPool:
                     tokens.append(token)
                     self.stats.live_slot_steps += 1
             if row[-1]:
+                if row[-2]:
+                    stops[w.index] = "nonfinite"
+                elif tokens and tokens[-1] >= stop:
+                    stops[w.index] = "eos"
+                else:
+                    stops[w.index] = "length_cap"
                 if tokens and tokens[-1] >= stop:
                     tokens.pop()
                 self.owner[s] = None
@@ -523,7 +536,9 @@ class SlotPool:
         stop = lm.stop_from
         hidden, pos, count = self.hidden[:n], self.pos[:n], self.count[:n]
         done, history = self.done[:n], self.history[:n]
-        logp = lm.llm_decoder(hidden).float().log_softmax(-1)
+        logits = lm.llm_decoder(hidden).float()
+        self.nonfinite[:n].logical_or_(~done & ~torch.isfinite(logits).all(-1))
+        logp = logits.log_softmax(-1)
         # Ids from emit_limit on are never emitted (upstream skips them and repeats the step);
         # the stop ids are refused before a row's minimum length.
         if lm.emit_limit < logp.size(-1):

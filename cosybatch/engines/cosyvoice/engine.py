@@ -416,7 +416,7 @@ class CosyVoiceEngine(Engine):
         return cached
 
     # -- text ---------------------------------------------------------------------------------
-    def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None) -> Prepared:
+    def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None, attempt: int = 0) -> Prepared:
         from ...cosyvoice.frontend.text import frontend_segments
         from ...cosyvoice.pipeline import Segment
 
@@ -456,7 +456,7 @@ class CosyVoiceEngine(Engine):
                               "holds; shorten the prompt text, instruction or prompt audio")
         costs, payloads = [], []
         for part, (_, tokens) in enumerate(segments):
-            payloads.append(Segment(tuple(tokens), chosen, prompt_text, item_seed(self.seed, item_id, part),
+            payloads.append(Segment(tuple(tokens), chosen, prompt_text, item_seed(self.seed, item_id, part, attempt),
                                     lm_speech=lm_speech, lm_embedding=instruct is None))
             costs.append(max(1, per_token * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
@@ -468,6 +468,6 @@ class CosyVoiceEngine(Engine):
         """The LM decodes every segment in its slot pool; then the flow and the vocoder take the
         segments regrouped by the speech tokens the LM really made, longest first, each stage in
         its own batch sizes (see :mod:`cosybatch.cosyvoice.pipeline`)."""
-        audio, lm_stats = self.pipeline.synthesize([u.payload for u in units])
+        audio, lm_stats, lm_info = self.pipeline.synthesize([u.payload for u in units])
         # Padding statistics are the LM's: rows decoded (tokens made) against slot-steps computed.
-        return Synthesised(audio, lm_stats.live_slot_steps, lm_stats.slot_steps)
+        return Synthesised(audio, lm_stats.live_slot_steps, lm_stats.slot_steps, lm=lm_info)

@@ -242,7 +242,7 @@ class PiperEngine(Engine):
 
         return describe(self.model_sha256)
 
-    def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None) -> Prepared:
+    def prepare(self, text: str, item_id: str, voice: Optional[VoiceRequest] = None, attempt: int = 0) -> Prepared:
         text = normalize_symbols(text, english=self.config.english)
         if self.config.phoneme_type == "espeak":
             foreign = foreign_letters(text, self.scripts)
@@ -258,7 +258,7 @@ class PiperEngine(Engine):
             ids, _missing = self.phonemizer.to_ids(phonemes)
             if len(ids) <= 3:
                 continue
-            seed = item_seed(self.seed, item_id, len(pieces))
+            seed = item_seed(self.seed, item_id, len(pieces), attempt)
             pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed)))
         if not pieces:
             raise RowRejected("nothing pronounceable in the text for this voice")

@@ -1,0 +1,320 @@
+"""The quality gate: which signals flag a clip, which rows the ASR hears, and whether a clip passes.
+
+Modes (``--qc``):
+  off      nothing measured
+  signals  every clip's signals and flags recorded (KEY.json ``qc``, the manifest, stats.json);
+           nothing is retried or dropped. The default.
+  gate     as signals, and a flagged clip fails: it is made again with a new seed, up to
+           ``--qc-retries`` times, then dropped or kept marked failing (``--qc-on-fail``)
+  asr      as gate, and the clips chosen by ``--qc-asr-rows`` are transcribed: a clip passes when
+           its CER (and WER, if a limit is set) is within the limit and no hard flag is raised
+
+Flags are hard (the clip is wrong whatever the ASR hears: the LM hit its length cap or gave
+non-finite logits, a loop of one speech token, a long silence, noise, clipping) or soft (speech
+rate or speech share far from the voice's usual: a cut or a repeat is likely, the ASR decides
+when it runs; without ASR the flag fails the clip).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
+
+from ..errors import UsageError
+
+MODES = ("off", "signals", "gate", "asr")
+ASR_ROWS = ("flagged", "all", "sample")
+ON_FAIL = ("drop", "keep")
+HARD = ("length_cap", "nonfinite", "token_loop", "long_lead", "long_tail", "long_gap", "noise", "clipped")
+SOFT = ("fast", "slow", "low_speech")
+HISTORY = 2000  # clips per voice the speech-rate median is taken over
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The thresholds; any of them can be set in a job spec's ``[qc]`` table."""
+
+    max_cer: float = 0.20
+    max_wer: Optional[float] = None
+    max_z: float = 4.0  # robust z-score of log(seconds per spoken character) against the voice's median
+    min_history: int = 8  # clips of a voice before its speech rate is judged
+    max_lead_s: float = 1.0
+    max_tail_s: float = 1.0
+    max_gap_s: float = 1.0  # beyond --sentence-silence
+    min_speech_share: float = 0.6
+    max_clipped: float = 0.01
+    max_flatness: float = 0.3
+    max_token_run: int = 25  # CosyVoice issue #1877's loop threshold
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True)
+class QCSettings:
+    mode: str = "signals"
+    asr_rows: str = "flagged"
+    sample: float = 0.1
+    retries: int = 2
+    on_fail: str = "drop"
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UsageError(f"--qc must be one of {', '.join(MODES)} (got {self.mode!r})")
+        if self.asr_rows not in ASR_ROWS:
+            raise UsageError(f"--qc-asr-rows must be one of {', '.join(ASR_ROWS)} (got {self.asr_rows!r})")
+        if self.on_fail not in ON_FAIL:
+            raise UsageError(f"--qc-on-fail must be drop or keep (got {self.on_fail!r})")
+        if not 0 < self.sample <= 1:
+            raise UsageError(f"--qc-sample must be a share in (0, 1] (got {self.sample})")
+        if self.retries < 0:
+            raise UsageError(f"--qc-retries must be >= 0 (got {self.retries})")
+        lim = self.limits
+        if not lim.max_cer >= 0 or (lim.max_wer is not None and lim.max_wer < 0):
+            raise UsageError("--qc-max-cer and --qc-max-wer must be >= 0")
+
+    @property
+    def gating(self) -> bool:
+        return self.mode in ("gate", "asr")
+
+    def fingerprint(self, asr_model: Optional[dict]) -> Optional[dict]:
+        """What of the gate changes which audio is committed (None when nothing does)."""
+        if not self.gating:
+            return None
+        out = {"mode": self.mode, "retries": self.retries, "on_fail": self.on_fail, **asdict(self.limits)}
+        if self.mode == "asr":
+            out.update(asr_rows=self.asr_rows, asr_model=asr_model)  # its model.bin's size and sha256
+            if self.asr_rows == "sample":
+                out["sample"] = self.sample
+        return out
+
+
+def sampled(seed: int, item_id: str, share: float) -> bool:
+    """A seeded share of rows, the same under resume, --shard and ray-run."""
+    digest = hashlib.blake2b(f"qc\x00{seed}\x00{item_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < share
+
+
+class PaceHistory:
+    """Each voice's recent speech rates (log seconds per spoken character), for a robust z-score:
+    (x - median) / (1.4826 MAD), the MAD floored so a very even voice is not judged too finely."""
+
+    MAD_FLOOR = 0.04
+
+    def __init__(self) -> None:
+        self.by_voice: dict[str, deque] = {}
+
+    def add(self, voice: str, s_per_unit: Optional[float]) -> None:
+        if s_per_unit:
+            self.by_voice.setdefault(voice, deque(maxlen=HISTORY)).append(math.log(s_per_unit))
+
+    def z(self, voice: str, s_per_unit: Optional[float], min_history: int) -> Optional[float]:
+        seen = self.by_voice.get(voice)
+        if not s_per_unit or seen is None or len(seen) < min_history:
+            return None
+        values = sorted(seen)
+        median = _median(values)
+        mad = max(_median(sorted(abs(v - median) for v in values)), self.MAD_FLOOR)
+        return round((math.log(s_per_unit) - median) / (1.4826 * mad), 3)
+
+
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    mid = n // 2
+    return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2
+
+
+def flags(signals: dict, lm: Optional[dict], z: Optional[float], limits: Limits, sentence_silence: float) -> list[str]:
+    """The flags a clip's signals raise (hard ones first, in HARD and SOFT order)."""
+    raised = set()
+    if lm:
+        if lm.get("stop") == "length_cap":
+            raised.add("length_cap")
+        if lm.get("stop") == "nonfinite":
+            raised.add("nonfinite")
+        if (lm.get("token_run") or 0) >= limits.max_token_run:
+            raised.add("token_loop")
+    if signals["lead_s"] > limits.max_lead_s:
+        raised.add("long_lead")
+    if signals["tail_s"] > limits.max_tail_s:
+        raised.add("long_tail")
+    if signals["gap_s"] > limits.max_gap_s + sentence_silence:
+        raised.add("long_gap")
+    if signals["flatness"] > limits.max_flatness:
+        raised.add("noise")
+    if signals["clipped"] > limits.max_clipped:
+        raised.add("clipped")
+    if z is not None and z > limits.max_z:
+        raised.add("slow")
+    if z is not None and z < -limits.max_z:
+        raised.add("fast")
+    if signals["speech_share"] < limits.min_speech_share:
+        raised.add("low_speech")
+    return [f for f in (*HARD, *SOFT) if f in raised]
+
+
+@dataclass
+class Verdict:
+    """One attempt's judgement, as recorded in KEY.json."""
+
+    attempt: int
+    signals: dict
+    flags: list[str]
+    lm: Optional[dict] = None
+    z: Optional[float] = None
+    asr: Optional[dict] = None  # {"text", "cer", "wer"}
+    passed: Optional[bool] = None  # None: no gate ran (mode signals)
+    reason: Optional[str] = None  # why it failed
+
+    def score(self, limits: Limits) -> float:
+        """How bad the clip looks, for ranking (0: nothing wrong; 1 or more: past a limit)."""
+        parts = [0.0]
+        if any(f in HARD for f in self.flags):
+            parts.append(2.0)
+        if self.z is not None:
+            parts.append(abs(self.z) / limits.max_z)
+        if self.asr is not None:
+            parts.append(self.asr["cer"] / max(limits.max_cer, 1e-6))
+        parts.append(max(0.0, limits.min_speech_share - self.signals["speech_share"]) * 4)
+        return round(max(parts), 4)
+
+    def record(self, limits: Limits) -> dict:
+        out = {"attempt": self.attempt, "flags": self.flags, "signals": self.signals}
+        if self.lm is not None:
+            out["lm"] = self.lm
+        if self.z is not None:
+            out["z"] = self.z
+        if self.asr is not None:
+            out["asr"] = self.asr
+        if self.passed is not None:
+            out["pass"] = self.passed
+        if self.reason:
+            out["reason"] = self.reason
+        out["score"] = self.score(limits)
+        return out
+
+
+def judge(verdict: Verdict, settings: QCSettings) -> None:
+    """Set `passed` and `reason` of an attempt whose signals (and ASR, if it ran) are in."""
+    if not settings.gating:
+        return
+    lim = settings.limits
+    hard = [f for f in verdict.flags if f in HARD]
+    soft = [f for f in verdict.flags if f in SOFT]
+    why = []
+    if hard:
+        why.append(", ".join(hard))
+    if verdict.asr is not None:
+        cer, wer = verdict.asr["cer"], verdict.asr["wer"]
+        if cer > lim.max_cer:
+            why.append(f"cer {cer:.2f} > {lim.max_cer:.2f}")
+        if lim.max_wer is not None and wer > lim.max_wer:
+            why.append(f"wer {wer:.2f} > {lim.max_wer:.2f}")
+    elif soft:
+        why.append(", ".join(soft))  # no ASR to settle it: the flag decides
+    verdict.passed = not why
+    verdict.reason = "; ".join(why) or None
+
+
+def wants_asr(verdict: Verdict, settings: QCSettings, seed: int, item_id: str) -> bool:
+    """Whether this attempt is transcribed (mode asr only)."""
+    if settings.mode != "asr":
+        return False
+    if settings.asr_rows == "all":
+        return True
+    if any(f in HARD for f in verdict.flags):
+        return False  # failed whatever the ASR hears: save the transcription
+    if verdict.flags:
+        return True
+    return settings.asr_rows == "sample" and sampled(seed, item_id, settings.sample)
+
+
+# The manifest's QC columns (store/checkpoint.py OPTIONAL_MANIFEST_COLUMNS), from a KEY.json "qc".
+QC_COLUMNS = (("qc_pass", "bool_"), ("qc_flags", "string"), ("qc_score", "float64"), ("qc_cer", "float64"),
+              ("qc_wer", "float64"), ("qc_attempts", "int32"), ("qc_z", "float64"),
+              ("qc_speech_share", "float64"), ("qc_s_per_unit", "float64"))
+
+
+def qc_columns(qc: dict) -> dict:
+    """A clip's QC record -> its manifest columns (flags comma-separated)."""
+    asr = qc.get("asr") or {}
+    signals = qc.get("signals") or {}
+    return {"qc_pass": qc.get("pass"), "qc_flags": ",".join(qc.get("flags", ())), "qc_score": qc.get("score"),
+            "qc_cer": asr.get("cer"), "qc_wer": asr.get("wer"), "qc_attempts": len(qc.get("attempts", ())) or 1,
+            "qc_z": qc.get("z"), "qc_speech_share": signals.get("speech_share"),
+            "qc_s_per_unit": signals.get("s_per_unit")}
+
+
+@dataclass
+class QCCounts:
+    """What the gate saw in one run, for stats.json "qc" (and merged across ray-run's actors)."""
+
+    measured: int = 0  # first takes measured
+    flagged: int = 0  # first takes with any flag
+    flags: dict = field(default_factory=dict)  # flag -> first takes raising it
+    dead: int = 0  # first takes with no speech at all (empty, NaN, constant)
+    transcribed: int = 0  # takes the ASR heard (every attempt)
+    cer_sum: float = 0.0  # over first takes transcribed
+    cer_n: int = 0
+    retries: int = 0  # takes after the first
+    passed_after_retry: int = 0
+    failed: int = 0  # rows dropped by the gate
+    kept_failing: int = 0  # rows kept marked qc.pass = false (--qc-on-fail keep)
+    passed: int = 0  # committed rows the gate passed
+    by_voice: dict = field(default_factory=dict)  # voice -> [committed, passed]
+
+    def first_take(self, raised: list[str]) -> None:
+        self.measured += 1
+        if raised:
+            self.flagged += 1
+        for f in raised:
+            self.flags[f] = self.flags.get(f, 0) + 1
+
+    def transcribed_take(self, attempt: int, cer: float) -> None:
+        self.transcribed += 1
+        if attempt == 0:
+            self.cer_sum += cer
+            self.cer_n += 1
+
+    def committed(self, verdict: Verdict, voice: str) -> None:
+        entry = self.by_voice.setdefault(voice, [0, 0])
+        entry[0] += 1
+        if verdict.passed or (verdict.passed is None and not verdict.flags):  # no gate: unflagged counts
+            entry[1] += 1
+        if verdict.passed:
+            self.passed += 1
+
+    def merge(self, other: dict) -> None:
+        for name, value in other.items():
+            if name == "flags":
+                for f, n in value.items():
+                    self.flags[f] = self.flags.get(f, 0) + n
+            elif name == "by_voice":
+                for voice, (c, p) in value.items():
+                    entry = self.by_voice.setdefault(voice, [0, 0])
+                    entry[0] += c
+                    entry[1] += p
+            elif hasattr(self, name):
+                setattr(self, name, getattr(self, name) + value)
+
+    def raw(self) -> dict:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+    def summary(self, settings: QCSettings) -> dict:
+        """stats.json's "qc" block."""
+        out = {"mode": settings.mode, "measured": self.measured, "flagged": self.flagged,
+               "flags": dict(sorted(self.flags.items())), "dead": self.dead}
+        if settings.mode == "asr":
+            out.update(asr_rows=settings.asr_rows, transcribed=self.transcribed,
+                       cer_mean=round(self.cer_sum / self.cer_n, 4) if self.cer_n else None)
+        if settings.gating:
+            out.update(passed=self.passed, retries=self.retries, passed_after_retry=self.passed_after_retry,
+                       failed=self.failed, kept_failing=self.kept_failing,
+                       limits=asdict(settings.limits), on_fail=settings.on_fail, max_retries=settings.retries)
+        out["by_voice"] = {v: {"committed": c, "passed": p} for v, (c, p) in sorted(self.by_voice.items())}
+        return out
