@@ -393,6 +393,46 @@ def verify_cmd(
     raise typer.Exit(EXIT_OK if result["ok"] else EXIT_BAD_INPUT)
 
 
+@app.command("qc")
+def qc_cmd(
+    out: Path = typer.Argument(..., help="A finished job's output folder, one part of a sharded job, or its root."),
+    asr: bool = typer.Option(False, "--asr", help="Also transcribe with Whisper and score CER/WER (the "
+                             "cosybatch[qc] extra)."),
+    asr_rows: str = typer.Option("flagged", "--asr-rows", help="With --asr: flagged, all or sample."),
+    asr_model: Optional[Path] = typer.Option(None, "--asr-model", help="CTranslate2 Whisper folder; unset: "
+                                             "Whisper tiny.en from the cosybatch[qc] extra."),
+    sample: float = typer.Option(0.1, "--sample", help="With --asr-rows sample: the share of unflagged clips."),
+    max_cer: float = typer.Option(0.2, "--max-cer", help="A transcribed clip fails above this CER."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the sample and the page's random clips."),
+    device: str = typer.Option("cpu", "--device", help="Where the ASR runs: cpu or cuda."),
+    report: bool = typer.Option(True, "--report/--no-report", help="Write OUT/report.html."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Score a finished folder with the quality signals (and the ASR round trip): writes
+    OUT/qc.parquet (one row per clip) and OUT/report.html, and never touches the shards."""
+    from .qc.gate import Limits, QCSettings
+    from .store.audit import audit
+
+    try:
+        settings = QCSettings("asr" if asr else "gate", asr_rows, sample, 0, "drop", Limits(max_cer=max_cer))
+        transcriber = None
+        if asr:
+            from .qc.asr import Transcriber, _runtime, normaliser, resolve_model
+
+            _runtime()
+            normaliser("en")
+            transcriber = Transcriber(resolve_model(asr_model), device)
+        summary = audit(out, settings, transcriber, seed=seed, report=report)
+    except CosybatchError as exc:
+        _fail(str(exc), exc.exit_code)
+    if as_json:
+        _print(json.dumps(summary))
+    else:
+        _print(f"{summary['clips']} clips scored: {summary['flagged']} flagged, {summary['failed']} fail the gate"
+               + (f", {summary['transcribed']} transcribed (mean CER {summary['cer_mean']})" if asr else "")
+               + f"; wrote {Path(out) / 'qc.parquet'}" + (f" and {Path(out) / 'report.html'}" if report else ""))
+
+
 @app.command("doctor")
 def doctor_cmd(
     device: Optional[str] = typer.Option(None, "--device", help="cuda: exit 2 unless every engine checked can run "

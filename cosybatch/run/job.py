@@ -529,10 +529,12 @@ def check_qc(cfg: RunConfig) -> Optional[Path]:
     anything is written, when it or the runtime to run it is missing."""
     if cfg.qc_settings().mode != "asr":
         return None
-    from ..qc.asr import _runtime, resolve_model
+    from ..qc.asr import _runtime, normaliser, resolve_model
 
     _runtime()
-    return resolve_model(cfg.qc_asr_model)
+    model = resolve_model(cfg.qc_asr_model)
+    normaliser("en")  # the scoring's text normaliser is importable
+    return model
 
 
 def open_transcriber(cfg: RunConfig, model: Optional[Path], device: str):

@@ -2,7 +2,7 @@
 a NeMo manifest and Lhotse manifests, written from a finished output folder (one worker's, or a
 sharded job's root holding part-* folders).
 
-    OUT/exports/hf/data/train-00000-of-00003.parquet   audio {bytes, path} + id, text, duration, ...
+    OUT/exports/hf/data/train-00000-of-00003.parquet   audio {bytes, path} + id, text, duration, ..., qc_*
     OUT/exports/wavs/KEY.wav                           plain WAV files, for NeMo and Lhotse
     OUT/exports/nemo/manifest.jsonl                    audio_filepath relative to the manifest
     OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  absolute paths (Lhotse resolves from CWD)
@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import DamagedOutputError, UsageError
+from ..qc.gate import QC_COLUMNS, qc_columns
 from .checkpoint import RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
 from .distributed import output_dirs
 
@@ -129,12 +130,16 @@ def _write_hf(root: Path, dest: Path) -> None:
     sample_rate = None
     # Every file gets an instruct column when the job's manifest has one (some row had an instruction).
     manifest = root / "manifest.parquet"
-    with_instruct = manifest.exists() and "instruct" in pq.read_schema(manifest).names
+    names = pq.read_schema(manifest).names if manifest.exists() else []
+    with_instruct = "instruct" in names
+    with_qc = "qc_flags" in names  # the quality gate's columns, when it measured the clips
     # A worker whose shard of the corpus is empty still gets one (empty) file, so it loads.
     for n, shard in enumerate(paths or [None]):
         rows = {"audio": [], "id": [], "text": [], "duration": [], "sampling_rate": [], "voice": []}
         if with_instruct:
             rows["instruct"] = []
+        if with_qc:
+            rows.update({name: [] for name, _ in QC_COLUMNS})
         for key, meta, wav in iter_shard(shard) if shard is not None else ():
             rows["audio"].append({"bytes": wav, "path": f"{key}.wav"})
             rows["id"].append(meta["id"])
@@ -144,6 +149,10 @@ def _write_hf(root: Path, dest: Path) -> None:
             rows["voice"].append(meta["voice"])
             if with_instruct:
                 rows["instruct"].append(meta.get("instruct"))
+            if with_qc:
+                columns = qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {}
+                for name, _ in QC_COLUMNS:
+                    rows[name].append(columns.get(name))
             sample_rate = sample_rate or meta["sample_rate"]
         features = {
             "audio": {"_type": "Audio", "sampling_rate": sample_rate},
@@ -159,6 +168,10 @@ def _write_hf(root: Path, dest: Path) -> None:
         if with_instruct:
             features["instruct"] = {"dtype": "string", "_type": "Value"}
             fields.append(("instruct", pa.string()))
+        if with_qc:
+            for name, kind in QC_COLUMNS:
+                features[name] = {"dtype": {"bool_": "bool"}.get(kind, kind), "_type": "Value"}
+                fields.append((name, getattr(pa, kind)()))
         schema = pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": features}})})
         table = pa.table(rows, schema=schema)
         pq.write_table(table, dest / f"train-{n:05d}-of-{max(len(paths), 1):05d}.parquet")
@@ -191,6 +204,8 @@ def _write_nemo(root: Path, dest: Path, tmp: Path) -> None:
                  "text": meta["text"], "speaker": meta["voice"], "id": meta["id"]}
         if "instruct" in meta:
             entry["instruct"] = meta["instruct"]
+        if isinstance(meta.get("qc"), dict):  # flat, as NeMo's manifest filters read fields
+            entry.update(qc_columns(meta["qc"]))
         lines.append(json.dumps(entry, ensure_ascii=False))
     (tmp / "manifest.jsonl").write_bytes("".join(line + "\n" for line in lines).encode())
 
@@ -215,7 +230,8 @@ def _write_lhotse(root: Path, dest: Path) -> None:
             "id": rec_id, "recording_id": rec_id, "start": 0.0,
             "duration": meta["num_samples"] / meta["sample_rate"], "channel": 0, "text": meta["text"],
             "speaker": meta["voice"],
-            "custom": {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {})},
+            "custom": {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
+                       **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})},
         })
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()

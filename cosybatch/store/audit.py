@@ -1,0 +1,172 @@
+"""`cosybatch qc OUT`: score a finished folder with the quality gate's signals (and ASR), writing
+OUT/qc.parquet and OUT/report.html beside the manifest, without touching the shards; and the
+audit page a run writes at its end, from its manifest.
+
+The audit judges as `--qc gate` does (as `--qc asr` with --asr): the same signals, the speech
+rate against each voice's running median in shard order, the same limits.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import tarfile
+from pathlib import Path
+from typing import Optional
+
+from ..qc.gate import HARD, PaceHistory, QCSettings, Verdict, flags, judge, qc_columns, wants_asr
+from ..qc.signals import measure
+from .checkpoint import MANIFEST_FILE, STATE_DIR
+from .distributed import output_dirs
+from .exports import iter_shard, shards
+
+log = logging.getLogger("cosybatch")
+
+QC_FILE = "qc.parquet"
+REPORT_FILE = "report.html"
+SIGNAL_COLUMNS = ("lead_s", "tail_s", "gap_s", "speech_s", "speech_share", "units", "s_per_unit", "peak_db",
+                  "rms_db", "clipped", "flatness")
+
+
+def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, report: bool = True) -> dict:
+    """Score every clip under `root` (a job folder, one part, or a sharded job's root); write
+    ROOT/qc.parquet (and ROOT/report.html). Returns the summary."""
+    import soundfile
+
+    from ..qc.asr import error_rates
+
+    root = Path(root)
+    paths = shards(root)
+    history = PaceHistory()
+    rows: list[dict] = []
+    for shard in paths:
+        pending: list[tuple[dict, Verdict, object, int]] = []
+        for key, meta, wav in iter_shard(shard):
+            audio, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+            signals = measure(audio, rate, meta["text"], raw=[audio]).as_dict()
+            made = meta.get("qc") if isinstance(meta.get("qc"), dict) else {}
+            voice = meta.get("voice") or ""
+            z = history.z(voice, signals["s_per_unit"], settings.limits.min_history)
+            silence = float((meta.get("settings") or {}).get("sentence_silence") or 0.0)
+            raised = flags(signals, made.get("lm"), z, settings.limits, silence)
+            if not any(f in HARD for f in raised):
+                history.add(voice, signals["s_per_unit"])
+            verdict = Verdict(0, signals, raised, made.get("lm"), z)
+            row = {"id": meta["id"], "key": key, "shard": str(shard.relative_to(root)), "voice": voice,
+                   "text": meta["text"], "duration_s": meta["duration"]}
+            rows.append(row)
+            pending.append((row, verdict, audio, rate))
+        wanted = [p for p in pending if transcriber is not None and wants_asr(p[1], settings, seed, p[0]["id"])
+                  and transcriber.hears(None)]
+        for start in range(0, len(wanted), 32):
+            chunk = wanted[start : start + 32]
+            heard = transcriber.transcribe([(audio, rate) for _, _, audio, rate in chunk])
+            for (row, verdict, _, _), text in zip(chunk, heard, strict=True):
+                cer, wer = error_rates(row["text"], text)
+                verdict.asr = {"text": text, "cer": cer, "wer": wer}
+        for row, verdict, _, _ in pending:
+            judge(verdict, settings)
+            record = verdict.record(settings.limits)
+            row.update(qc_columns(record))
+            row.update({name: verdict.signals.get(name) for name in SIGNAL_COLUMNS})
+            row["lm_stop"] = (verdict.lm or {}).get("stop")
+            row["reason"] = verdict.reason
+    _write_table(root / QC_FILE, rows)
+    summary = _summary(rows, settings)
+    if report:
+        write_job_report(root, rows, summary, seed)
+    return summary
+
+
+def _write_table(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.string())})
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def _summary(rows: list[dict], settings: QCSettings) -> dict:
+    flagged = [r for r in rows if r.get("qc_flags")]
+    counts: dict = {}
+    for r in flagged:
+        for f in r["qc_flags"].split(","):
+            counts[f] = counts.get(f, 0) + 1
+    cers = [r["qc_cer"] for r in rows if r.get("qc_cer") is not None]
+    hours = round(sum(r["duration_s"] for r in rows) / 3600, 4)
+    return {"mode": settings.mode, "clips": len(rows), "hours": hours,
+            "passed": sum(1 for r in rows if r.get("qc_pass")),
+            "failed": sum(1 for r in rows if r.get("qc_pass") is False),
+            "flagged": len(flagged), "flags": dict(sorted(counts.items())), "transcribed": len(cers),
+            "cer_mean": round(sum(cers) / len(cers), 4) if cers else None}
+
+
+# -- the audit page ------------------------------------------------------------------------------
+def _clips(root: Path, rows: list[dict]):
+    """id -> WAV bytes, read from the shard members on demand."""
+    where = {r["id"]: (r["shard"], r["key"]) for r in rows}
+
+    def clip(item_id: str) -> bytes:
+        shard, key = where[item_id]
+        with tarfile.open(root / shard) as tar:
+            return tar.extractfile(f"{key}.wav").read()
+
+    return clip
+
+
+def _throughput(root: Path) -> list[tuple[float, float]]:
+    """(seconds since the first commit, audio seconds committed by then) from the journal(s)."""
+    points: list[tuple[float, float]] = []
+    for folder in output_dirs(root):
+        journal = folder / STATE_DIR / "journal.jsonl"
+        if not journal.exists():
+            continue
+        for line in journal.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("t") == "items" and "ts" in rec:
+                points.append((rec["ts"], sum(i.get("duration_s", 0.0) for i in rec.get("items", ()))))
+    points.sort()
+    if not points:
+        return []
+    t0, total, out = points[0][0], 0.0, []
+    for ts, audio in points:
+        total += audio
+        out.append((ts - t0, total))
+    return out
+
+
+def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Optional[dict] = None,
+                     seed: int = 0) -> Optional[Path]:
+    """ROOT/report.html from `rows` (an audit's), or from the manifest's qc columns (a run's end).
+    Returns its path, or None when the folder holds no measured clip."""
+    from ..qc.report import write_report
+
+    root = Path(root)
+    if rows is None:
+        import pyarrow.parquet as pq
+
+        manifest = root / MANIFEST_FILE
+        if not manifest.exists():
+            return None
+        rows = pq.read_table(manifest).to_pylist()
+        if rows and "qc_flags" not in rows[0]:
+            return None
+        stats = root / "stats.json"
+        summary = summary or (json.loads(stats.read_text()).get("qc") if stats.exists() else None) or {}
+    for r in rows:
+        r["qc_flags"] = [f for f in (r.get("qc_flags") or "").split(",") if f] if isinstance(
+            r.get("qc_flags"), (str, type(None))) else r["qc_flags"]
+        r["units"] = r.get("units") or r.get("qc_units") or len([c for c in r.get("text", "") if c.isalnum()])
+        r["qc_attempts"] = r.get("qc_attempts") or 1
+        r["qc_score"] = r.get("qc_score") or 0.0
+    path = root / REPORT_FILE
+    write_report(path, rows, summary or {}, _clips(root, rows), seed=seed, throughput=_throughput(root),
+                 title=f"cosybatch report: {root.name}")
+    return path
+
