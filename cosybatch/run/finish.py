@@ -146,6 +146,10 @@ class RowFinisher:
             if not again:
                 break
             attempt += 1
+            log.info("quality gate: %d row%s made again (take %d of %d): %s", len(again), "s" * (len(again) > 1),
+                     attempt + 1, self.retries + 1,
+                     "; ".join(f"{t.row_pending.row.id!r}: {t.takes[-1].record(self.settings.limits).get('reason')}"
+                               for t in again[:3]) + (" ..." if len(again) > 3 else ""))
             self.on_retry(len(again))
             remade = self._again([t.row_pending.row for t in again], attempt)
             active, pending = [], []

@@ -220,7 +220,7 @@ def _run_help() -> str:
 def test_run_help_is_in_panels_and_shows_bracketed_text():
     text = _run_help()
     panels = re.findall(r"╭─ (\w+) ─", text)
-    assert panels[-5:] == ["Input", "Engine", "Batching", "Output", "Operations"]
+    assert panels[-6:] == ["Input", "Engine", "Batching", "Output", "Quality", "Operations"]
     assert "`[engine_options]` in a job spec" in text  # was rendered as ``, read as rich markup
     assert "[default: out/CORPUS-STEM]" in text
     assert "[default: 20000]" in text  # defaults shown
