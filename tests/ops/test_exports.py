@@ -40,6 +40,8 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
         assert sr == 22050 and len(audio) == len(truth[row["id"]]["audio"])
         assert row["text"] == truth[row["id"]]["meta"]["text"]
         assert row["duration"] == pytest.approx(len(audio) / sr)
+        qc = truth[row["id"]]["meta"]["qc"]  # the quality signals ride along, filterable
+        assert row["qc_speech_share"] == qc["signals"]["speech_share"] and row["qc_flags"] == ",".join(qc["flags"])
 
     manifest = out / "exports/nemo/manifest.jsonl"
     entries = [json.loads(line) for line in manifest.read_text().splitlines()]
@@ -49,6 +51,7 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
         info = soundfile.info(str(manifest.parent / e["audio_filepath"]))
         assert info.duration == pytest.approx(e["duration"], abs=1e-3)
         assert e["text"] == truth[e["id"]]["meta"]["text"]
+        assert e["qc_s_per_unit"] == truth[e["id"]]["meta"]["qc"]["signals"]["s_per_unit"]
 
     import lhotse
 
@@ -61,6 +64,7 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
         assert cut.duration == pytest.approx(truth[item_id]["meta"]["duration"])
         assert cut.supervisions[0].text == truth[item_id]["meta"]["text"]
         assert cut.load_audio().shape == (1, len(truth[item_id]["audio"]))
+        assert cut.supervisions[0].custom["qc"]["qc_score"] == truth[item_id]["meta"]["qc"]["score"]
     with gzip.open(out / "exports/lhotse/recordings.jsonl.gz", "rt") as f:
         assert all(Path(json.loads(line)["sources"][0]["source"]).is_absolute() for line in f)
 

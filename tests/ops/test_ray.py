@@ -223,3 +223,28 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
     assert json.loads((cfg.out / "stats.json").read_text())["status"] == "complete"
     handler = signal.getsignal(signal.SIGTERM)  # Ray's own, or the default: not the finished run's
     assert not getattr(handler, "__qualname__", "").startswith("ray_run.")
+
+
+def test_the_quality_gate_runs_in_the_actors_as_in_run(tmp_path):
+    """The same gate in ray-run: each chunk's rows measured, retaken and failed in its actor, the
+    counts summed by the driver, the QC columns in the manifest."""
+    data = rows(6)
+    corpus = write_parquet(tmp_path / "c.parquet", data)
+    signals = ray_run(RunConfig(corpus=corpus, out=tmp_path / "signals", progress="none"),
+                      RayOptions(actors=2, rows_per_task=3))
+    assert signals.stats["qc"]["measured"] == 6
+
+    import pyarrow.parquet as pq
+
+    manifest = pq.read_table(tmp_path / "signals" / "manifest.parquet").to_pylist()
+    meta = {i: item["meta"] for i, item in read_output(tmp_path / "signals").items()}
+    assert {m["id"]: m["qc_speech_share"] for m in manifest} == \
+        {i: m["qc"]["signals"]["speech_share"] for i, m in meta.items()}
+    cfg = RunConfig(corpus=corpus, out=tmp_path / "gated", progress="none", qc="gate", qc_retries=1,
+                    qc_limits={"min_speech_share": 0.999})  # no clip is that full of speech
+    gated = ray_run(cfg, RayOptions(actors=2, rows_per_task=3))
+    assert (gated.stats["items_done"], gated.stats["items_failed"]) == (0, 6)
+    failures = [json.loads(line) for line in (tmp_path / "gated" / "failures.jsonl").read_text().splitlines()]
+    assert sorted(f["id"] for f in failures) == sorted(r["id"] for r in data)
+    assert {f["reason"] for f in failures} == {"qc: low_speech after 2 attempts"}
+    assert (gated.stats["qc"]["retries"], gated.stats["qc"]["failed"]) == (6, 6)
