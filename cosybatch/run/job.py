@@ -358,6 +358,19 @@ class Job:
             **extra,
         )
 
+    def _write_report(self, stats: dict) -> None:
+        """OUT/report.html, the audit page of the finished job (never fails the job: the audio is safe)."""
+        from ..store.audit import write_job_report
+
+        try:
+            totals = stats["job_totals"]
+            summary = {"items": totals["items_done"], "failed": totals["items_failed"],
+                       "audio_hours": round(totals["audio_seconds"] / 3600, 4), "engine": stats.get("engine"),
+                       "voice": stats.get("voice"), "qc": stats.get("qc")}
+            write_job_report(self.cfg.out, summary=summary, seed=self.cfg.seed)
+        except Exception as exc:
+            log.warning("could not write %s: %s", self.cfg.out / "report.html", exc)
+
     def _metrics_job(self) -> str:
         from ..metrics import default_job_name
 
@@ -407,6 +420,8 @@ class Job:
             extra["quarantined"] = self.quarantined
         stats = self._snapshot(status, repairs=self.repairs, problems=problems, **extra)
         write_atomic(cfg.out / STATS_FILE, json_bytes(stats))
+        if status == "complete" and self.qc_settings.mode != "off":
+            self._write_report(stats)
         if cfg.metrics_file is not None:
             self._write_metrics(stats)
         if cfg.pushgateway:
