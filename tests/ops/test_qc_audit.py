@@ -1,0 +1,58 @@
+"""`cosybatch qc OUT`: a folder made without the gate scored afterwards, the shards untouched, a
+sharded job's root scored whole, and the same signals the run would have recorded."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pyarrow.parquet as pq
+import pytest
+from helpers import cli, corpus_rows, last_json, read_output, write_parquet
+
+from cosybatch.config import RunConfig
+from cosybatch.qc.asr import Transcriber, default_model_dir
+from cosybatch.qc.gate import QCSettings
+from cosybatch.run.local import run
+from cosybatch.store.audit import SIGNAL_COLUMNS, audit
+
+
+def digests(folder) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("shard-*.tar"))}
+
+
+def test_an_old_folder_is_scored_without_touching_its_shards(tmp_path):
+    rows = corpus_rows(6)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    measured, plain = tmp_path / "measured", tmp_path / "plain"
+    run(RunConfig(corpus=corpus, out=measured, progress="none"))
+    run(RunConfig(corpus=corpus, out=plain, progress="none", qc="off"))  # as a folder from before the gate
+    assert "qc" not in next(iter(read_output(plain).values()))["meta"]
+    before = digests(plain)
+    summary = audit(plain, QCSettings(mode="asr", asr_rows="all"), Transcriber(default_model_dir()), report=False)
+    assert digests(plain) == before
+    table = pq.read_table(plain / "qc.parquet").to_pylist()
+    assert sorted(r["id"] for r in table) == sorted(r["id"] for r in rows)
+    assert summary["clips"] == 6 and summary["transcribed"] == 6
+    recorded = {i: item["meta"]["qc"]["signals"] for i, item in read_output(measured).items()}
+    for r in table:
+        assert r["qc_cer"] is not None and r["qc_asr_text"]
+        assert r["qc_pass"] == (r["qc_cer"] <= 0.2 and not r["qc_flags"])
+        # The same clip, read back from its 16-bit WAV: the signals the run recorded, to the frame.
+        for name in ("lead_s", "tail_s", "gap_s", "speech_s"):
+            assert r[name] == pytest.approx(recorded[r["id"]][name], abs=0.011)
+        assert set(SIGNAL_COLUMNS) <= set(r)
+
+
+def test_a_sharded_jobs_root_is_scored_whole_from_the_command_line(tmp_path):
+    rows = corpus_rows(6)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    root = tmp_path / "root"
+    for i in range(2):
+        run(RunConfig(corpus=corpus, out=root, shard_index=i, shard_count=2, progress="none"))
+    proc = cli("qc", root, "--json", "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    assert last_json(proc)["clips"] == 6
+    table = pq.read_table(root / "qc.parquet").to_pylist()
+    assert sorted(r["id"] for r in table) == sorted(r["id"] for r in rows)
+    assert {r["shard"].split("/")[0] for r in table} == {"part-00000-of-00002", "part-00001-of-00002"}
+    assert not (root / "report.html").exists()
