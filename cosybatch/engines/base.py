@@ -151,6 +151,7 @@ class Engine(abc.ABC):
     sample_rate: int  # of the audio `synthesize` returns, in Hz
     device: str  # the device actually used: "cpu" or "cuda"
     voice_name: str  # the job's default voice, for the manifest and stats
+    language: Optional[str] = None  # what the voice speaks ("en"), for the ASR gate; None: unknown or per row
 
     @abc.abstractmethod
     def __init__(self, voice: Optional[str], options: EngineOptions) -> None:

@@ -112,6 +112,9 @@ class RowFinisher:
                         "rows failing the quality gate get no second take", engines.cls.name)
             self.retries = 0
         self._deaf_said: set = set()
+        default = next(iter(engines.by_voice.values()), None)
+        if transcriber is not None and default is not None:  # said once at start-up for the job's voice
+            self._deaf(getattr(default, "language", None))
         self.seconds = 0.0  # spent measuring, transcribing and judging (the retakes' synthesis is the batches')
 
     def seed_history(self, items) -> None:
@@ -209,12 +212,18 @@ class RowFinisher:
     def _wants_asr(self, take: Take) -> bool:
         if self.transcriber is None or not wants_asr(take.verdict, self.settings, self.cfg.seed, take.pending.row.id):
             return False
-        if self.transcriber.hears(take.language):
-            return True
-        if take.language not in self._deaf_said:
-            self._deaf_said.add(take.language)
-            log.warning("the ASR model cannot hear %r: those rows get the signals only", take.language)
-        return False
+        return not self._deaf(take.language)
+
+    def _deaf(self, language: Optional[str]) -> bool:
+        """Whether the ASR model cannot hear `language` (said once per language)."""
+        if self.transcriber.hears(language):
+            return False
+        if language not in self._deaf_said:
+            self._deaf_said.add(language)
+            log.warning("the ASR model (%s) cannot hear %r: rows in it get the quality signals only; give "
+                        "--qc-asr-model a multilingual Whisper folder to transcribe them",
+                        self.transcriber.model_dir.name, language)
+        return True
 
     def _transcribe(self, takes: list[Take]) -> None:
         from ..qc.asr import error_rates

@@ -138,3 +138,21 @@ def test_kill_during_a_retake_then_resume_exactly_once(tmp_path):
     assert list(failures(out)) == ["gibberish"]
     assert failures(out)["gibberish"]["reason"].endswith("after 3 attempts")
     assert cli("verify", out).returncode == 0
+
+
+def test_a_voice_the_asr_cannot_hear_gets_the_signals_only_said_at_start(tmp_path, caplog):
+    from cosybatch.engines.piper.voice import bundled_voice
+
+    model, voice_config = bundled_voice()
+    raw = json.loads(voice_config.read_text())
+    raw["language"] = {"code": "de_DE", "family": "de"}  # tiny.en hears English only
+    (tmp_path / "de_DE-test.onnx").symlink_to(model)
+    (tmp_path / "de_DE-test.onnx.json").write_text(json.dumps(raw))
+    corpus = write_jsonl(tmp_path / "c.jsonl", ROWS[:2])
+    with caplog.at_level("WARNING", logger="cosybatch"):
+        result = run(config(corpus, tmp_path / "out", voice=str(tmp_path / "de_DE-test.onnx"), qc="asr",
+                            qc_asr_rows="all"))
+    said = [r.getMessage() for r in caplog.records if "cannot hear 'de'" in r.getMessage()]
+    assert len(said) == 1 and "--qc-asr-model" in said[0]
+    assert result.stats["qc"]["transcribed"] == 0 and result.stats["items_done"] == 2  # judged on signals
+    assert all("asr" not in item["meta"]["qc"] for item in read_output(tmp_path / "out").values())

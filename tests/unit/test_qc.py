@@ -186,7 +186,7 @@ def test_settings_are_checked_with_the_flag_named(tmp_path):
     corpus.write_text('{"id": "a", "text": "x"}\n')
     with pytest.raises(UsageError, match="--qc must be one of"):
         RunConfig(corpus=corpus, out=tmp_path / "o", qc="strict")
-    with pytest.raises(UsageError, match="unknown threshold.*max_silence"):
+    with pytest.raises(UsageError, match=r"unknown threshold.*max_silence"):
         RunConfig(corpus=corpus, out=tmp_path / "o", qc_limits={"max_silence": 1})
     with pytest.raises(UsageError, match="max_gap_s = 'long' should be a number"):
         RunConfig(corpus=corpus, out=tmp_path / "o", qc_limits={"max_gap_s": "long"})

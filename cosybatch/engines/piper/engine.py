@@ -133,6 +133,7 @@ class PiperEngine(Engine):
             voice, opts.voice_dir, allow_paths=options.allow_paths
         )
         self.config = VoiceConfig.load(self.config_path)
+        self.language = self.config.language_family or None
         if self.config.phoneme_type not in ("espeak", "text"):
             raise VoiceError(f"voice {self.voice_name!r}: phoneme type {self.config.phoneme_type!r} "
                              "is not supported (espeak and text are)")

@@ -72,10 +72,15 @@ class VoiceConfig:
     language: str = ""  # the config's language code (en_US), when it has one
 
     @property
+    def language_family(self) -> str:
+        """"en" for en_US or en-gb: the language without its region."""
+        code = self.language or self.espeak_voice
+        return code.replace("_", "-").split("-")[0].lower()
+
+    @property
     def english(self) -> bool:
         """English voices get the English spoken forms of symbols (text.ENGLISH_SYMBOLS)."""
-        code = self.language or self.espeak_voice
-        return code.replace("_", "-").split("-")[0].lower() == "en"
+        return self.language_family == "en"
 
     @classmethod
     def load(cls, path: Path) -> VoiceConfig:
