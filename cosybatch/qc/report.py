@@ -169,13 +169,13 @@ def _summary_table(summary: dict) -> str:
 class _Frame:
     """A plotting area: maps data (0..x1, 0..y1) to SVG units, draws axes with ticks and labels."""
 
-    def __init__(self, x1: float, y1: float, height: int = 320, right: int = RIGHT):
-        self.x1, self.y1, self.height = x1, y1, height
-        self.inner_w = WIDTH - LEFT - right
+    def __init__(self, x1: float, y1: float, height: int = 320, left: int = LEFT, right: int = RIGHT):
+        self.x1, self.y1, self.height, self.left = x1, y1, height, left
+        self.inner_w = WIDTH - left - right
         self.inner_h = height - TOP - BOTTOM
 
     def x(self, v: float) -> float:
-        return LEFT + v / self.x1 * self.inner_w
+        return self.left + v / self.x1 * self.inner_w
 
     def y(self, v: float) -> float:
         return TOP + (1 - v / self.y1) * self.inner_h
@@ -187,20 +187,22 @@ class _Frame:
 
     def axes(self, xticks: list[float], yticks: list[float], xlabel: str, ylabel: str, xfmt=None, yfmt=None) -> str:
         xfmt, yfmt = xfmt or _tick, yfmt or _tick
-        bottom, right = TOP + self.inner_h, LEFT + self.inner_w
+        bottom, right = TOP + self.inner_h, self.left + self.inner_w
         out = ['<g class="axes">']
-        out.append(f'<line class="axis" x1="{LEFT}" y1="{bottom}" x2="{right}" y2="{bottom}"/>')
-        out.append(f'<line class="axis" x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{bottom}"/>')
+        out.append(f'<line class="axis" x1="{self.left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>')
+        out.append(f'<line class="axis" x1="{self.left}" y1="{TOP}" x2="{self.left}" y2="{bottom}"/>')
         for t in xticks:
             x = _f(self.x(t))
             out.append(f'<line class="tick" x1="{x}" y1="{bottom}" x2="{x}" y2="{bottom + 5}"/>')
             out.append(f'<text class="xtick" x="{x}" y="{bottom + 18}" text-anchor="middle">{_e(xfmt(t))}</text>')
         for t in yticks:
             y = _f(self.y(t))
-            out.append(f'<line class="grid" x1="{LEFT}" y1="{y}" x2="{right}" y2="{y}"/>')
-            out.append(f'<text class="ytick" x="{LEFT - 8}" y="{y}" text-anchor="end" dy="0.32em">{_e(yfmt(t))}</text>')
+            out.append(f'<line class="grid" x1="{self.left}" y1="{y}" x2="{right}" y2="{y}"/>')
+            out.append(
+                f'<text class="ytick" x="{self.left - 8}" y="{y}" text-anchor="end" dy="0.32em">{_e(yfmt(t))}</text>'
+            )
         out.append(
-            f'<text class="label" x="{_f(LEFT + self.inner_w / 2)}" y="{self.height - 8}" text-anchor="middle">'
+            f'<text class="label" x="{_f(self.left + self.inner_w / 2)}" y="{self.height - 8}" text-anchor="middle">'
             f"{_e(xlabel)}</text>"
         )
         ymid = _f(TOP + self.inner_h / 2)
@@ -328,7 +330,7 @@ def _pass_rate(rows: list[dict]) -> str:
     if not voices:
         return head + '\n<p class="note">No clips.</p>\n</figure>'
     row_h = 26
-    frame = _Frame(1.0, 1.0, height=TOP + row_h * len(voices) + BOTTOM, right=110)  # room for the labels
+    frame = _Frame(1.0, 1.0, height=TOP + row_h * len(voices) + BOTTOM, left=150, right=110)  # room for the labels
     xt = [i * 0.25 for i in range(5)]
     out = [
         head,
@@ -339,13 +341,14 @@ def _pass_rate(rows: list[dict]) -> str:
     for i, (voice, (passed, total)) in enumerate(sorted(voices.items())):
         y = TOP + i * row_h
         rate = passed / total
-        name = voice if len(voice) <= 8 else voice[:7] + "…"
+        name = voice if len(voice) <= 22 else voice[:21] + "…"
         out.append(
-            f'<text class="ytick" x="{LEFT - 8}" y="{_f(y + row_h / 2)}" text-anchor="end" dy="0.32em">'
+            f'<text class="ytick" x="{frame.left - 8}" y="{_f(y + row_h / 2)}" text-anchor="end" dy="0.32em">'
             f"<title>{_e(voice)}</title>{_e(name)}</text>"
         )
         out.append(
-            f'<rect class="bar" x="{LEFT}" y="{_f(y + 4)}" width="{_f(frame.x(rate) - LEFT)}" height="{row_h - 8}" '
+            f'<rect class="bar" x="{frame.left}" y="{_f(y + 4)}" width="{_f(frame.x(rate) - frame.left)}" '
+            f'height="{row_h - 8}" '
             f'data-voice="{_e(voice)}" data-passed="{passed}" data-total="{total}">'
             f"<title>{_e(voice)}: {passed} of {total} passed</title></rect>"
         )
