@@ -1,0 +1,1 @@
+"""Quality control: per-clip signals, the ASR round-trip gate and the audit page (report.html)."""

@@ -1,0 +1,78 @@
+"""The audit page in a real browser: headless Chromium from the system packages loads report.html
+from disk, runs its script and plays (loads the metadata of) every embedded clip; the DOM it dumps
+is read back. Skipped, saying how to install it, only where no chromium binary exists."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from report_page import HOSTILE_ID, Page, make_rows
+
+from cosybatch.qc import report
+from cosybatch.qc.report import write_report
+
+# --headless is the new headless mode in Chromium >= 132 (the old one was split off); as root the
+# sandbox cannot start, hence --no-sandbox. --virtual-time-budget lets the page's pending work (the
+# 40 clips' metadata) finish before --dump-dom prints the DOM; --enable-logging=stderr --v=0 prints
+# the page's console messages (uncaught errors, CSP refusals) to stderr as "INFO:CONSOLE" lines.
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--virtual-time-budget=20000",
+    "--dump-dom",
+]
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.skip("no chromium binary on PATH: install it with `apt-get install -y chromium` (.ci/run does when it can)")
+
+
+@pytest.mark.slow
+def test_the_page_renders_and_every_clip_loads_in_chromium(tmp_path):
+    browser = chromium()
+    rows, wavs = make_rows(60, hostile=True)
+    rows[0]["qc_score"] = 99.0  # the hostile row is shown, as the worst
+    durations = {r["id"]: r["duration_s"] for r in rows}
+    summary = {"rows": 60, "hours": round(sum(durations.values()) / 3600, 4), "qc": {"mode": "asr"}}
+    path = tmp_path / "report.html"
+    write_report(path, rows, summary, wavs.__getitem__, throughput=[(t, 6.0 * t) for t in range(30)])
+
+    done = subprocess.run(
+        [browser, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = Page(done.stdout)
+
+    # It rendered: the title, the summary, the plots and their points.
+    assert page.find("title")[0].text == "cosybatch report"
+    assert [tr.attrs["data-key"] for tr in page.find("tr", within="summary")] == ["rows", "hours", "qc.mode"]
+    assert len(page.find("circle", within="duration-vs-length")) == 60
+    assert len(page.find("rect", within="cer-histogram", class_="bar")) == report.CER_BINS + 1
+    assert len(page.find("rect", within="pass-rate", class_="bar")) == 3
+    assert len(page.find("polyline", within="throughput")) == 1
+    assert page.find("article", data_id=HOSTILE_ID)  # escaped, so it stayed text, not markup
+
+    # The script ran and every clip loaded, with the duration the WAV has.
+    players = page.find("audio")
+    assert len(players) == 40
+    for a in players:
+        assert a.attrs.get("data-loaded") == "1" and "data-error" not in a.attrs, a.attrs.get("data-id")
+        assert abs(float(a.attrs["data-duration"]) - durations[a.attrs["data-id"]]) < 0.05
+    assert page.find("body")[0].attrs.get("data-audio-ready") == "40/40"
+    assert page.by_id("audio-status").text == "40 of 40 clips playable"
+
+    # No console message: no uncaught error, nothing refused by the page's Content-Security-Policy.
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console
