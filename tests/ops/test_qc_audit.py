@@ -28,8 +28,11 @@ def test_an_old_folder_is_scored_without_touching_its_shards(tmp_path):
     run(RunConfig(corpus=corpus, out=plain, progress="none", qc="off"))  # as a folder from before the gate
     assert "qc" not in next(iter(read_output(plain).values()))["meta"]
     before = digests(plain)
-    summary = audit(plain, QCSettings(mode="asr", asr_rows="all"), Transcriber(default_model_dir()), report=False)
+    assert not (plain / "report.html").exists()  # --qc off writes no page
+    summary = audit(plain, QCSettings(mode="asr", asr_rows="all"), Transcriber(default_model_dir()))
     assert digests(plain) == before
+    page = (plain / "report.html").read_text()
+    assert page.count("<circle") == 6 and page.count("<audio") == 6
     table = pq.read_table(plain / "qc.parquet").to_pylist()
     assert sorted(r["id"] for r in table) == sorted(r["id"] for r in rows)
     assert summary["clips"] == 6 and summary["transcribed"] == 6

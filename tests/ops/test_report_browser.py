@@ -76,3 +76,33 @@ def test_the_page_renders_and_every_clip_loads_in_chromium(tmp_path):
     # No console message: no uncaught error, nothing refused by the page's Content-Security-Policy.
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
     assert not console, console
+
+
+@pytest.mark.slow
+def test_a_runs_own_page_in_chromium(tmp_path):
+    """The page a real run writes at its end: real clips of the default voice, transcribed."""
+    import pyarrow.parquet as pq
+    from helpers import corpus_rows, write_parquet
+
+    from cosybatch.config import RunConfig
+    from cosybatch.run.local import run
+
+    browser = chromium()
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(12))
+    out = tmp_path / "out"
+    assert run(RunConfig(corpus=corpus, out=out, progress="none", qc="asr", qc_asr_rows="all")).status == "complete"
+    manifest = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
+    done = subprocess.run([browser, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", (out / "report.html").as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = Page(done.stdout)
+    assert {c.attrs["data-id"] for c in page.find("circle", within="duration-vs-length")} == set(manifest)
+    bars = page.find("rect", within="cer-histogram", class_="bar")
+    assert sum(int(b.attrs["data-count"]) for b in bars) == 12  # every clip was transcribed
+    players = page.find("audio")
+    assert {a.attrs["data-id"] for a in players} == set(manifest)  # 12 rows: all among the worst 20
+    for a in players:
+        assert a.attrs.get("data-loaded") == "1"
+        assert abs(float(a.attrs["data-duration"]) - manifest[a.attrs["data-id"]]["duration_s"]) < 0.05
+    assert page.find("body")[0].attrs.get("data-audio-ready") == "12/12"
+    assert len(page.find("polyline", within="throughput")) == 1
