@@ -413,7 +413,7 @@ class Job:
             from ..store.exports import export
 
             for fmt in cfg.export:
-                export(cfg.out, fmt, require_complete=False)
+                export(cfg.out, fmt, require_complete=False, copy=cfg.export_copy)
         if status == "complete":
             self.last_success = round(time.time(), 3)
         if self.quarantined:
