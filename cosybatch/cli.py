@@ -515,13 +515,16 @@ def merge(
     root: Path = typer.Argument(..., help="The --out folder of a job run with --shard."),
     partial: bool = typer.Option(False, "--partial", help="Merge the finished parts even if some are not."),
 ) -> None:
-    """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet."""
+    """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet, and its
+    card ROOT/README.md."""
+    from .store.card import write_card
     from .store.distributed import merge as merge_parts
 
     try:
         result = merge_parts(root, allow_partial=partial)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
+    write_card(root)
     _print(json.dumps(result))
 
 
@@ -532,13 +535,15 @@ def export_cmd(
     copy: bool = typer.Option(False, "--copy", help="NeMo and Lhotse: copy the audio out as loose WAV files "
                               "(exports/wavs) instead of pointing into the tar shards."),
 ) -> None:
-    """Write the dataset in other formats under OUT/exports/."""
+    """Write the dataset in other formats under OUT/exports/, and its card OUT/README.md."""
+    from .store.card import write_card
     from .store.exports import export
 
     try:
         written = {fmt: str(export(out, fmt.strip(), copy=copy)) for fmt in to.split(",") if fmt.strip()}
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
+    write_card(out)
     _print(json.dumps(written))
 
 

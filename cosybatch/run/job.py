@@ -422,6 +422,10 @@ class Job:
         write_atomic(cfg.out / STATS_FILE, json_bytes(stats))
         if status == "complete" and self.qc_settings.mode != "off":
             self._write_report(stats)
+        if status == "complete":
+            from ..store.card import write_card
+
+            write_card(cfg.out)  # OUT/README.md, the dataset card (never fails the job)
         if cfg.metrics_file is not None:
             self._write_metrics(stats)
         if cfg.pushgateway:
