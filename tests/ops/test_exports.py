@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -62,6 +63,14 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
         shard_entries = [json.loads(line) for line in (nemo / f"sharded_manifests/manifest_{n}.json").read_text()
                          .splitlines()]
         assert shard_entries == [e for e in entries if e["shard_id"] == n]
+    # NeMo's Lhotse reader (LazyNeMoTarredIterator) takes the shard id from each name with these
+    # patterns, and with skip_missing_manifest_entries passes over the members no entry names.
+    for n in members:
+        assert re.search(r"audio[^/]*_(\d+)[^/]*\.tar", f"{nemo}/audio_{n}.tar").group(1) == str(n)
+        assert re.search(r"manifest[^/]*_(\d+)[^/]*\.json", f"{nemo}/sharded_manifests/manifest_{n}.json").group(1) \
+            == str(n)
+        named = {e["audio_filepath"] for e in entries if e["shard_id"] == n}
+        assert all(name.endswith(".json") for name in set(members[n]) - named)
     # As NeMo's (webdataset) TarredAudioToCharDataset reads them: samples by __key__, audio by extension,
     # matched to the manifest by the file name's stem; the KEY.json members ride along unread.
     import webdataset as wds
