@@ -2,7 +2,8 @@
 shards against the copying ones (`cosybatch export --copy`), and, for reference, Lhotse Shar as
 lhotse's own writer makes it from the copying export's cuts (a copy of every clip, in Shar's own
 tars; the time and disk of that step alone),
-side by side; then what reading every clip back through Lhotse's `load_audio()` costs in each form.
+side by side; then what reading every clip back through Lhotse's `load_audio()` costs in each form
+(in a fresh reader process with lhotse only, as a training job's would be).
 
     python benchmarks/exports.py                      # runs the main job (examples/corpus.parquet, ~15 s)
     python benchmarks/exports.py --folder out/corpus  # an output folder you already have
@@ -56,11 +57,25 @@ def cuts_of(folder: Path):
                                         supervisions=lhotse.load_manifest(lhotse_dir / "supervisions.jsonl.gz"))
 
 
+# A reader as a training job would be: a fresh interpreter with lhotse only; prints the seconds.
+READER = r"""
+import sys, time, lhotse
+from pathlib import Path
+d = Path(sys.argv[1])
+cuts = lhotse.CutSet.from_manifests(recordings=lhotse.load_manifest(d / "recordings.jsonl.gz"),
+                                    supervisions=lhotse.load_manifest(d / "supervisions.jsonl.gz"))
+t = time.perf_counter()
+for cut in cuts:
+    cut.load_audio()
+print(time.perf_counter() - t)
+"""
+
+
 def read_all(folder: Path) -> float:
-    t = time.perf_counter()
-    for cut in cuts_of(folder):
-        cut.load_audio()
-    return time.perf_counter() - t
+    """Seconds to load_audio() every cut of the Lhotse export, in a fresh reader process."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", READER, str(folder / "exports" / "lhotse")],
+                          check=True, capture_output=True, text=True)
+    return float(proc.stdout.split()[-1])
 
 
 def main() -> None:
@@ -98,18 +113,22 @@ def main() -> None:
         t = time.perf_counter()
         cuts.to_shar(shar, fields={"recording": "wav"}, shard_size=1000)
         shar_s = time.perf_counter() - t
-        import lhotse
-
-        t = time.perf_counter()
-        for cut in lhotse.CutSet.from_shar(in_dir=shar):
-            cut.load_audio()
-        rows.append(("lhotse Shar (lhotse's writer, a copy)", shar_s, disk(shar), time.perf_counter() - t))
+        rows.append(("lhotse Shar (lhotse's writer, a copy)", shar_s, disk(shar), read_shar(shar)))
 
         print(f"{'export':42} {'time s':>8} {'disk MiB':>9} {'read all s':>11}")
         for name, seconds, size, read in rows:
             print(f"{name:42} {seconds:8.3f} {size / 2**20:9.2f} {'' if read is None else f'{read:11.3f}'}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_shar(shar: Path) -> float:
+    code = ("import sys, time, lhotse\nt = time.perf_counter()\n"
+            "for cut in lhotse.CutSet.from_shar(in_dir=sys.argv[1]):\n    cut.load_audio()\n"
+            "print(time.perf_counter() - t)\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code, str(shar)], check=True, capture_output=True,
+                          text=True)
+    return float(proc.stdout.split()[-1])
 
 
 def cuts_of_manifest(folder: Path):
