@@ -190,6 +190,9 @@ def card_text(root: Path, license: str = "unknown") -> Optional[str]:
               f"{len(rows)} clips, {total_s / 3600:.3f} hours of audio"
               + (f", from {len(folders)} workers' folders" if len(folders) > 1 else "") + "."
               + (f" {failed} rows failed (failures.jsonl)." if failed else ""), ""]
+    if stats.get("status") == "partial":  # `merge --partial`
+        lines[-1:-1] = ["**This is a partial merge**: " + "; ".join(stats.get("problems") or ["some parts are missing"])
+                        + ".", ""]
     lines += _table(rows, has_language, languages)
     if qc:
         lines += ["", "## Quality checks", "", _qc_sentence(qc), "", "```json",

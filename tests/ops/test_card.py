@@ -96,6 +96,11 @@ def test_the_card_of_a_sharded_job_and_its_nemo_export(tmp_path):
         assert {e["audio_filepath"] for e in entries if e["shard_id"] == n} == {x for x in names if x.endswith(".wav")}
     assert DatasetCard.load(root / "README.md").text.count("exports/nemo/") == 1
 
+    # A partial merge says so on the card.
+    (root / "part-00001-of-00002" / "stats.json").unlink()
+    assert CliRunner().invoke(app, ["merge", str(root), "--partial"]).exit_code == 0
+    assert "**This is a partial merge**: part-00001-of-00002 is not complete" in (root / "README.md").read_text()
+
 
 def test_size_categories():
     assert [size_category(n) for n in (0, 999, 1000, 120_000, 5 * 10**9)] == [
