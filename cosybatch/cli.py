@@ -81,7 +81,8 @@ ENGINE_OPTION_ALIASES = _engine_aliases()
 # with its type, default and docstring taken from RunConfig itself.
 FROM_OTHER_FLAGS = ("corpus", "shard_index", "shard_count", "max_runtime", "shard_max_bytes", "export",
                     "engine_options", "qc_limits")
-FLAG_DECLS = {"out": ("--out", "-o"), "restart": ("--restart",), "allow_corpus_change": ("--allow-corpus-change",)}
+FLAG_DECLS = {"out": ("--out", "-o"), "restart": ("--restart",), "export_copy": ("--export-copy",),
+              "allow_corpus_change": ("--allow-corpus-change",)}
 HELP_SUFFIX = {"out": " [default: out/CORPUS-STEM]"}
 # `run --help` in panels; an option named in none (a new RunConfig field) shows under "Operations".
 INPUT, ENGINE, BATCHING, OUTPUT, QUALITY, OPERATIONS = "Input", "Engine", "Batching", "Output", "Quality", "Operations"
@@ -89,7 +90,8 @@ PANELS = {
     INPUT: ("job", "format", "id_col", "text_col", "voice_col", "limit", "max_chars", "allow_corpus_change"),
     ENGINE: ("engine", "voice", "engine_opt", "device", "memory_fraction", "threads", "seed"),
     BATCHING: ("batch_size", "batch_budget", "workers", "window"),
-    OUTPUT: ("out", "sentence_silence", "normalize", "shard_max_items", "shard_max_mb", "export", "restart"),
+    OUTPUT: ("out", "sentence_silence", "normalize", "shard_max_items", "shard_max_mb", "export", "export_copy",
+             "restart"),
     QUALITY: ("qc", "qc_asr_rows", "qc_sample", "qc_asr_model", "qc_max_cer", "qc_max_wer", "qc_retries",
               "qc_on_fail"),
     OPERATIONS: ("max_runtime", "max_failures", "shard", "metrics_file", "pushgateway", "metrics_job", "progress",
@@ -513,13 +515,16 @@ def merge(
     root: Path = typer.Argument(..., help="The --out folder of a job run with --shard."),
     partial: bool = typer.Option(False, "--partial", help="Merge the finished parts even if some are not."),
 ) -> None:
-    """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet."""
+    """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet, and its
+    card ROOT/README.md."""
+    from .store.card import write_card
     from .store.distributed import merge as merge_parts
 
     try:
         result = merge_parts(root, allow_partial=partial)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
+    write_card(root)
     _print(json.dumps(result))
 
 
@@ -527,14 +532,18 @@ def merge(
 def export_cmd(
     out: Path = typer.Argument(..., help="A finished output folder (or a sharded job's root)."),
     to: str = typer.Option(..., "--to", help="Comma-separated formats: hf, nemo, lhotse."),
+    copy: bool = typer.Option(False, "--copy", help="NeMo and Lhotse: copy the audio out as loose WAV files "
+                              "(exports/wavs) instead of pointing into the tar shards."),
 ) -> None:
-    """Write the dataset in other formats under OUT/exports/."""
+    """Write the dataset in other formats under OUT/exports/, and its card OUT/README.md."""
+    from .store.card import write_card
     from .store.exports import export
 
     try:
-        written = {fmt: str(export(out, fmt.strip())) for fmt in to.split(",") if fmt.strip()}
+        written = {fmt: str(export(out, fmt.strip(), copy=copy)) for fmt in to.split(",") if fmt.strip()}
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
+    write_card(out)
     _print(json.dumps(written))
 
 

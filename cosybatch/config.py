@@ -83,6 +83,8 @@ class RunConfig:
     folder's name plus a hash of its full path."""
     export: tuple = ()
     """Dataset formats to write at the end besides WebDataset: hf, nemo, lhotse."""
+    export_copy: bool = False
+    """The NeMo and Lhotse exports copy the audio out as loose WAV files instead of pointing into the shards."""
     restart: bool = False
     """Delete the output folder's earlier cosybatch output and start over."""
     allow_corpus_change: bool = False

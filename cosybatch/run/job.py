@@ -413,7 +413,7 @@ class Job:
             from ..store.exports import export
 
             for fmt in cfg.export:
-                export(cfg.out, fmt, require_complete=False)
+                export(cfg.out, fmt, require_complete=False, copy=cfg.export_copy)
         if status == "complete":
             self.last_success = round(time.time(), 3)
         if self.quarantined:
@@ -422,6 +422,10 @@ class Job:
         write_atomic(cfg.out / STATS_FILE, json_bytes(stats))
         if status == "complete" and self.qc_settings.mode != "off":
             self._write_report(stats)
+        if status == "complete":
+            from ..store.card import write_card
+
+            write_card(cfg.out)  # OUT/README.md, the dataset card (never fails the job)
         if cfg.metrics_file is not None:
             self._write_metrics(stats)
         if cfg.pushgateway:

@@ -205,7 +205,8 @@ class LocalRunner(Runner):
         from ..gpu import memory_stats
 
         engine = self.default_engine
-        return {"engine": engine.name, "voice": engine.voice_name, "device": self.device,
+        return {"engine": engine.name, "voice": engine.voice_name, "language": getattr(engine, "language", None),
+                "device": self.device,
                 "batch_size_limit": self.policy.batch_size, "batch_budget": self.policy.batch_budget,
                 "workers": self.workers, "budget_changes": list(self.policy.guard.changes),
                 "gpu_memory": memory_stats(), "memory_pool": engine.memory_plan().pool}

@@ -95,6 +95,7 @@ class SynthWorker:
         """What the driver needs to know of the engine, so that it never opens one itself."""
         e = self.default
         return {"fingerprint": e.fingerprint(), "name": e.name, "voice": e.voice_name, "device": e.device,
+                "language": getattr(e, "language", None),
                 "batch_size_limit": self.policy.batch_size, "batch_budget": self.policy.batch_budget}
 
     def process(self, rows: list[Row]) -> dict:
@@ -341,7 +342,8 @@ class RayRunner(Runner):
 
     def describe(self) -> dict:
         e = self.engine
-        return {"engine": e["name"], "voice": e["voice"], "device": e["device"], "runner": "ray",
+        return {"engine": e["name"], "voice": e["voice"], "language": e.get("language"), "device": e["device"],
+                "runner": "ray",
                 "actors": self.opts.actors, "batch_size_limit": e["batch_size_limit"],
                 "batch_budget": e["batch_budget"]}
 

@@ -1,9 +1,24 @@
 """Dataset formats besides the WebDataset shards: Hugging Face `datasets` Parquet (Audio feature),
-a NeMo manifest and Lhotse manifests, written from a finished output folder (one worker's, or a
-sharded job's root holding part-* folders).
+NeMo and Lhotse manifests, written from a finished output folder (one worker's, or a sharded job's
+root holding part-* folders).
 
     OUT/exports/hf/data/train-00000-of-00003.parquet   audio {bytes, path} + id, text, duration, ..., qc_*
-    OUT/exports/wavs/KEY.wav                           plain WAV files, for NeMo and Lhotse
+    OUT/exports/nemo/tarred_audio_manifest.json        NeMo tarred audio: audio_filepath KEY.wav, shard_id N
+    OUT/exports/nemo/sharded_manifests/manifest_N.json the same, one file per shard
+    OUT/exports/nemo/audio_N.tar                       links to the shards (NeMo finds shard N by this name)
+    OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  each recording a byte range of a shard
+
+The NeMo and Lhotse exports point into the tar shards and copy no audio: NeMo's tarred datasets
+read the shards themselves (the KEY.json members beside each KEY.wav are not audio: NeMo's
+webdataset reader groups them with the WAV and ignores them; its Lhotse reader needs
+`skip_missing_manifest_entries`), and each Lhotse recording is a `command` source that reads the
+WAV member's byte range out of its shard (`tail -c +OFFSET SHARD | head -c SIZE`), which
+`load_audio()` runs as it runs any command source. Lhotse Shar cannot point at our shards: its
+reader takes each tar's JSON member for a Lhotse manifest of the audio beside it, so Shar would be
+a second copy of every clip. With `copy=True` (`cosybatch export --copy`) they copy the audio out
+as loose files instead, for tools that need them:
+
+    OUT/exports/wavs/KEY.wav                           plain WAV files, shared by both
     OUT/exports/nemo/manifest.jsonl                    audio_filepath relative to the manifest
     OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  absolute paths (Lhotse resolves from CWD)
 
@@ -19,6 +34,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shlex
 import shutil
 import tarfile
 from collections.abc import Callable, Iterator
@@ -30,6 +46,7 @@ from .checkpoint import RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
 from .distributed import output_dirs
 
 FORMATS = ("hf", "nemo", "lhotse")
+COPYING = ("nemo", "lhotse")  # the formats that point into the shards, or copy the audio out with copy=True
 
 
 def shards(root: Path) -> list[Path]:
@@ -53,6 +70,35 @@ def iter_shard(path: Path) -> Iterator[tuple[str, dict, bytes]]:
                 if "wav" in entry and "json" in entry:
                     del pending[key]
                     yield key, json.loads(entry["json"]), entry["wav"]
+    except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
+        raise DamagedOutputError(f"{path} is unreadable ({type(exc).__name__}: {exc}); nothing was exported. "
+                                 "`cosybatch verify` shows the damage; rerun the job's `cosybatch run` "
+                                 "to repair the folder, then export again") from None
+    if pending:
+        raise DamagedOutputError(f"{path} holds {len(pending)} items without both their .wav and .json "
+                                 "members; nothing was exported. Rerun the job's `cosybatch run` to repair "
+                                 "the folder, then export again")
+
+
+def iter_members(path: Path) -> Iterator[tuple[str, dict, int, int]]:
+    """(key, metadata, offset, size) for every item of one tar shard, in order: where its WAV
+    member's bytes lie in the file, found from the tar headers without reading the audio. A shard
+    that cannot be read to its end raises DamagedOutputError naming it."""
+    pending: dict[str, dict] = {}
+    try:
+        with tarfile.open(path) as tar:
+            for member in tar:
+                key, _, ext = member.name.partition(".")
+                entry = pending.setdefault(key, {})
+                if ext == "wav":
+                    if not member.isfile():
+                        raise ValueError(f"member {member.name} is not a plain file")
+                    entry["wav"] = (member.offset_data, member.size)
+                else:
+                    entry[ext] = tar.extractfile(member).read()
+                if "wav" in entry and "json" in entry:
+                    del pending[key]
+                    yield key, json.loads(entry["json"]), *entry["wav"]
     except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
         raise DamagedOutputError(f"{path} is unreadable ({type(exc).__name__}: {exc}); nothing was exported. "
                                  "`cosybatch verify` shows the damage; rerun the job's `cosybatch run` "
@@ -97,8 +143,10 @@ def write_into_place(dest: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export(root: Path, fmt: str, require_complete: bool = True) -> Path:
-    """Write one format. A run exporting its own output at the end passes require_complete=False."""
+def export(root: Path, fmt: str, require_complete: bool = True, copy: bool = False) -> Path:
+    """Write one format. A run exporting its own output at the end passes require_complete=False.
+    copy=True: the NeMo and Lhotse exports copy the audio out as loose WAV files (exports/wavs)
+    instead of pointing into the shards; the Hugging Face export always holds the audio itself."""
     root = Path(root)
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -109,7 +157,9 @@ def export(root: Path, fmt: str, require_complete: bool = True) -> Path:
             raise UsageError(f"{folder} is not complete (status: {status or 'never finished'}); "
                              "finish the run (rerun it to resume) before exporting")
     check_whole(root)
-    return {"hf": export_hf, "nemo": export_nemo, "lhotse": export_lhotse}[fmt](root)
+    if fmt == "hf":
+        return export_hf(root)
+    return {"nemo": export_nemo, "lhotse": export_lhotse}[fmt](root, copy=copy)
 
 
 def export_hf(root: Path) -> Path:
@@ -191,38 +241,82 @@ def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def export_nemo(root: Path) -> Path:
+def export_nemo(root: Path, copy: bool = False) -> Path:
+    """NeMo's tarred audio dataset over the shards (its manifest's path), or with copy=True a
+    manifest of loose WAV files (exports/nemo/manifest.jsonl)."""
     dest = root / "exports" / "nemo"
-    write_into_place(dest, lambda tmp: _write_nemo(root, dest, tmp))
-    return dest / "manifest.jsonl"
+    if copy:
+        write_into_place(dest, lambda tmp: _write_nemo(root, dest, tmp))
+        return dest / "manifest.jsonl"
+    write_into_place(dest, lambda tmp: _write_nemo_tarred(root, dest, tmp))
+    return dest / NEMO_TARRED_MANIFEST
+
+
+NEMO_TARRED_MANIFEST = "tarred_audio_manifest.json"  # the names NeMo's convert_to_tarred_audio_dataset.py writes
+
+
+def _nemo_entry(meta: dict, audio_filepath: str) -> dict:
+    entry = {"audio_filepath": audio_filepath, "duration": meta["duration"], "text": meta["text"],
+             "speaker": meta["voice"], "id": meta["id"]}
+    if "instruct" in meta:
+        entry["instruct"] = meta["instruct"]
+    if isinstance(meta.get("qc"), dict):  # flat, as NeMo's manifest filters read fields
+        entry.update(qc_columns(meta["qc"]))
+    return entry
+
+
+def _jsonl(entries: list[dict]) -> bytes:
+    return "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
 
 
 def _write_nemo(root: Path, dest: Path, tmp: Path) -> None:
-    lines = []
-    for path, meta in _extract_wavs(root):
-        entry = {"audio_filepath": os.path.relpath(path, dest), "duration": meta["duration"],
-                 "text": meta["text"], "speaker": meta["voice"], "id": meta["id"]}
-        if "instruct" in meta:
-            entry["instruct"] = meta["instruct"]
-        if isinstance(meta.get("qc"), dict):  # flat, as NeMo's manifest filters read fields
-            entry.update(qc_columns(meta["qc"]))
-        lines.append(json.dumps(entry, ensure_ascii=False))
-    (tmp / "manifest.jsonl").write_bytes("".join(line + "\n" for line in lines).encode())
+    entries = [_nemo_entry(meta, os.path.relpath(path, dest)) for path, meta in _extract_wavs(root)]
+    (tmp / "manifest.jsonl").write_bytes(_jsonl(entries))
 
 
-def export_lhotse(root: Path) -> Path:
+def _write_nemo_tarred(root: Path, dest: Path, tmp: Path) -> None:
+    """NeMo's tarred layout, as its convert_to_tarred_audio_dataset.py writes it, over our shards:
+    every entry's audio_filepath is the WAV member's name in the tar (KEY.wav) and shard_id the
+    shard's number N in the job (parts in order, then shards); audio_N.tar is a relative link to
+    that shard, since NeMo's Lhotse reader finds a tar's shard id in its name (audio_N.tar)."""
+    (tmp / "sharded_manifests").mkdir()
+    everything = []
+    for n, shard in enumerate(shards(root)):
+        entries = [{**_nemo_entry(meta, f"{key}.wav"), "shard_id": n} for key, meta, _, _ in iter_members(shard)]
+        (tmp / "sharded_manifests" / f"manifest_{n}.json").write_bytes(_jsonl(entries))
+        os.symlink(os.path.relpath(shard, dest), tmp / f"audio_{n}.tar")
+        everything += entries
+    (tmp / NEMO_TARRED_MANIFEST).write_bytes(_jsonl(everything))
+
+
+def export_lhotse(root: Path, copy: bool = False) -> Path:
     dest = root / "exports" / "lhotse"
-    write_into_place(dest, lambda tmp: _write_lhotse(root, tmp))
+    write_into_place(dest, lambda tmp: _write_lhotse(root, tmp, copy))
     return dest
 
 
-def _write_lhotse(root: Path, dest: Path) -> None:
+def tar_range_command(shard: Path, offset: int, size: int) -> str:
+    """A shell command that writes `size` bytes of `shard` from byte `offset` (0-based) to stdout:
+    POSIX tail and head, so a Lhotse `command` source reads one tar member with nothing of ours."""
+    return f"tail -c +{offset + 1} {shlex.quote(str(Path(shard).resolve()))} | head -c {size}"
+
+
+def _lhotse_items(root: Path, copy: bool) -> Iterator[tuple[str, dict, dict]]:
+    """(recording id, its audio source, the item's metadata) for every item."""
+    if copy:
+        for path, meta in _extract_wavs(root):
+            yield path.stem, {"type": "file", "channels": [0], "source": str(path.resolve())}, meta
+        return
+    for shard in shards(root):
+        for key, meta, offset, size in iter_members(shard):
+            yield key, {"type": "command", "channels": [0], "source": tar_range_command(shard, offset, size)}, meta
+
+
+def _write_lhotse(root: Path, dest: Path, copy: bool = False) -> None:
     recordings, supervisions = [], []
-    for path, meta in _extract_wavs(root):
-        rec_id = path.stem
+    for rec_id, source, meta in _lhotse_items(root, copy):
         recordings.append({
-            "id": rec_id,
-            "sources": [{"type": "file", "channels": [0], "source": str(path.resolve())}],
+            "id": rec_id, "sources": [source],
             "sampling_rate": meta["sample_rate"], "num_samples": meta["num_samples"],
             "duration": meta["num_samples"] / meta["sample_rate"], "channel_ids": [0],
         })
@@ -234,5 +328,4 @@ def _write_lhotse(root: Path, dest: Path) -> None:
                        **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})},
         })
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-        (dest / f"{name}.jsonl.gz").write_bytes(gzip.compress(data, mtime=0))
+        (dest / f"{name}.jsonl.gz").write_bytes(gzip.compress(_jsonl(rows), mtime=0))

@@ -1,5 +1,6 @@
-"""Dataset formats: the Hugging Face, NeMo and Lhotse exports load in their own libraries, and the
-HF export decodes where torchcodec is installed."""
+"""Dataset formats: the Hugging Face, NeMo and Lhotse exports load in their own libraries (NeMo, not
+installed, as its tarred reader reads the shards), in the forms that point into the shards and the
+copying ones, and the HF export decodes where torchcodec is installed."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import gzip
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -43,16 +46,43 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
         qc = truth[row["id"]]["meta"]["qc"]  # the quality signals ride along, filterable
         assert row["qc_speech_share"] == qc["signals"]["speech_share"] and row["qc_flags"] == ",".join(qc["flags"])
 
-    manifest = out / "exports/nemo/manifest.jsonl"
-    entries = [json.loads(line) for line in manifest.read_text().splitlines()]
+    # NeMo's tarred audio over the shards themselves: each audio_filepath is a member of the shard
+    # its shard_id names (audio_N.tar, a link to it), and the duration is that member's.
+    nemo = out / "exports/nemo"
+    entries = [json.loads(line) for line in (nemo / "tarred_audio_manifest.json").read_text().splitlines()]
     assert sorted(e["id"] for e in entries) == sorted(truth)
+    assert not (out / "exports/wavs").exists()  # no audio was copied
+    members = nemo_members(nemo)
     for e in entries:
-        assert set(e) >= {"audio_filepath", "duration", "text"}
-        info = soundfile.info(str(manifest.parent / e["audio_filepath"]))
+        assert set(e) >= {"audio_filepath", "duration", "text", "shard_id"}
+        info = soundfile.info(io.BytesIO(members[e["shard_id"]][e["audio_filepath"]]))
         assert info.duration == pytest.approx(e["duration"], abs=1e-3)
         assert e["text"] == truth[e["id"]]["meta"]["text"]
         assert e["qc_s_per_unit"] == truth[e["id"]]["meta"]["qc"]["signals"]["s_per_unit"]
+    for n in members:  # the per-shard manifests NeMo's Lhotse reader takes hold the same entries
+        shard_entries = [json.loads(line) for line in (nemo / f"sharded_manifests/manifest_{n}.json").read_text()
+                         .splitlines()]
+        assert shard_entries == [e for e in entries if e["shard_id"] == n]
+    # NeMo's Lhotse reader (LazyNeMoTarredIterator) takes the shard id from each name with these
+    # patterns, and with skip_missing_manifest_entries passes over the members no entry names.
+    for n in members:
+        assert re.search(r"audio[^/]*_(\d+)[^/]*\.tar", f"{nemo}/audio_{n}.tar").group(1) == str(n)
+        assert re.search(r"manifest[^/]*_(\d+)[^/]*\.json", f"{nemo}/sharded_manifests/manifest_{n}.json").group(1) \
+            == str(n)
+        named = {e["audio_filepath"] for e in entries if e["shard_id"] == n}
+        assert all(name.endswith(".json") for name in set(members[n]) - named)
+    # As NeMo's (webdataset) TarredAudioToCharDataset reads them: samples by __key__, audio by extension,
+    # matched to the manifest by the file name's stem; the KEY.json members ride along unread.
+    import webdataset as wds
 
+    urls = [str(nemo / f"audio_{n}.tar") for n in sorted(members)]
+    pipeline = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(),
+                                wds.rename(audio="wav;flac;mp3", key="__key__"), wds.to_tuple("audio", "key"))
+    by_stem = {os.path.splitext(os.path.basename(e["audio_filepath"]))[0]: e for e in entries}
+    seen = [(key, len(audio)) for audio, key in pipeline]
+    assert sorted(k for k, _ in seen) == sorted(by_stem)
+
+    # Lhotse: every recording reads its WAV member's bytes out of the shard (a command source).
     import lhotse
 
     cuts = lhotse.CutSet.from_manifests(
@@ -61,16 +91,54 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
     assert len(cuts) == 5
     for cut in cuts:
         item_id = cut.supervisions[0].custom["id"]
+        assert cut.recording.sources[0].type == "command"
         assert cut.duration == pytest.approx(truth[item_id]["meta"]["duration"])
         assert cut.supervisions[0].text == truth[item_id]["meta"]["text"]
-        assert cut.load_audio().shape == (1, len(truth[item_id]["audio"]))
+        samples = cut.load_audio()
+        assert samples.shape == (1, len(truth[item_id]["audio"]))
+        assert samples[0] == pytest.approx(truth[item_id]["audio"], abs=1e-4)
         assert cut.supervisions[0].custom["qc"]["qc_score"] == truth[item_id]["meta"]["qc"]["score"]
-    with gzip.open(out / "exports/lhotse/recordings.jsonl.gz", "rt") as f:
-        assert all(Path(json.loads(line)["sources"][0]["source"]).is_absolute() for line in f)
 
-    # `cosybatch export` does the same on demand, also for a sharded job's root.
-    proc = cli("export", str(out), "--to", "nemo")
+    # `cosybatch export --copy` writes the loose-file forms, also for a sharded job's root.
+    proc = cli("export", str(out), "--to", "nemo,lhotse", "--copy")
     assert proc.returncode == 0 and json.loads(proc.stdout)["nemo"].endswith("manifest.jsonl")
+    manifest = out / "exports/nemo/manifest.jsonl"
+    entries = [json.loads(line) for line in manifest.read_text().splitlines()]
+    assert sorted(e["id"] for e in entries) == sorted(truth)
+    for e in entries:
+        info = soundfile.info(str(manifest.parent / e["audio_filepath"]))
+        assert info.duration == pytest.approx(e["duration"], abs=1e-3)
+        assert e["text"] == truth[e["id"]]["meta"]["text"]
+    cuts = lhotse.CutSet.from_manifests(
+        recordings=lhotse.load_manifest(out / "exports/lhotse/recordings.jsonl.gz"),
+        supervisions=lhotse.load_manifest(out / "exports/lhotse/supervisions.jsonl.gz"))
+    for cut in cuts:
+        assert cut.load_audio().shape == (1, len(truth[cut.supervisions[0].custom["id"]]["audio"]))
+    with gzip.open(out / "exports/lhotse/recordings.jsonl.gz", "rt") as f:
+        sources = [json.loads(line)["sources"][0] for line in f]
+    assert all(s["type"] == "file" and Path(s["source"]).is_absolute() for s in sources)
+
+
+def test_a_run_exports_the_copying_forms_when_asked(tmp_path):
+    """`run --export nemo,lhotse --export-copy` (export_copy = true in a job spec): loose WAV files."""
+    corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"r{i}", "text": f"Row {i}."} for i in range(3)])
+    out = tmp_path / "out"
+    result = run(RunConfig(corpus=corpus, out=out, engine="tone", export=("nemo", "lhotse"), export_copy=True,
+                           progress="none"))
+    assert result.status == "complete"
+    assert sorted(p.name for p in (out / "exports/wavs").iterdir()) == ["r0.wav", "r1.wav", "r2.wav"]
+    assert (out / "exports/nemo/manifest.jsonl").exists() and not (out / "exports/nemo/audio_0.tar").exists()
+    with gzip.open(out / "exports/lhotse/recordings.jsonl.gz", "rt") as f:
+        assert {json.loads(line)["sources"][0]["type"] for line in f} == {"file"}
+
+
+def nemo_members(nemo: Path) -> dict[int, dict[str, bytes]]:
+    """shard_id -> {member name: bytes} of each audio_N.tar of a NeMo tarred export."""
+    found = {}
+    for link in nemo.glob("audio_*.tar"):
+        with tarfile.open(link) as tar:
+            found[int(link.stem.split("_")[1])] = {m.name: tar.extractfile(m).read() for m in tar}
+    return found
 
 
 # -- reading the HF export (docs/production.md's snippet runs in tests/docs) ---------------------------

@@ -114,7 +114,8 @@ def test_instruct_rows_run_and_are_recorded(cosyvoice_dir, prompt_folder, tmp_pa
     # The dataset exports carry it too.
     hf = pq.read_table(next((out / "exports" / "hf" / "data").glob("*.parquet")), columns=["id", "instruct"])
     assert dict(zip(hf.column("id").to_pylist(), hf.column("instruct").to_pylist(), strict=True)) == said
-    nemo = [json.loads(line) for line in (out / "exports" / "nemo" / "manifest.jsonl").read_text().splitlines()]
+    nemo_manifest = out / "exports" / "nemo" / "tarred_audio_manifest.json"
+    nemo = [json.loads(line) for line in nemo_manifest.read_text().splitlines()]
     assert {e["id"]: e["instruct"] for e in nemo} == said
     for item in items.values():
         assert item["audio"].size > 0 and item["meta"]["num_samples"] == item["audio"].size
