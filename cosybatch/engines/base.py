@@ -36,6 +36,9 @@ class Piece:
 
     cost: int  # estimated work, in the engine's own unit (Piper: phoneme ids; CosyVoice: text tokens)
     payload: object  # the engine's own input for this piece, handed back in `Unit.payload`
+    # What this piece says, for the row's segment times (KEY.json "segments", Lhotse supervisions
+    # per segment). None: the engine cannot tell; a row none of whose pieces says records no segments.
+    text: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -460,8 +460,8 @@ class CosyVoiceEngine(Engine):
                                     lm_speech=lm_speech, lm_embedding=instruct is None))
             costs.append(max(1, per_token * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
-        return Prepared(tuple(Piece(c, p) for c, p in zip(costs, payloads, strict=True)), spoken, voice=chosen.key,
-                        instruct=instruct)
+        pieces = tuple(Piece(c, p, text=seg) for c, p, (seg, _) in zip(costs, payloads, segments, strict=True))
+        return Prepared(pieces, spoken, voice=chosen.key, instruct=instruct)
 
     # -- audio --------------------------------------------------------------------------------
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:

@@ -27,7 +27,7 @@ from ...plan import Unit
 from ..base import Alias, Engine, EngineOptions, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
 from .graph import patch_graph
 from .phonemes import MAX_PIECE_IDS, Phonemizer
-from .text import foreign_letters, normalize_symbols, voice_scripts
+from .text import clause_spans, foreign_letters, normalize_symbols, voice_scripts
 from .voice import VoiceConfig, resolve_voice
 
 log = logging.getLogger("cosybatch")
@@ -252,7 +252,10 @@ class PiperEngine(Engine):
                 raise RowRejected(f"characters this voice ({self.config.espeak_voice}) cannot speak: "
                                   f"{sample!r}; route the row to a voice for that language")
         pieces: list[Piece] = []
-        for phonemes in self.phonemizer.phonemize(text):
+        phonemized, sizes = self.phonemizer.pieces(text)
+        spans = ([(0, len(text))] if self.config.phoneme_type != "espeak"
+                 else clause_spans(text, sizes, self.phonemizer.sounds))
+        for phonemes, clauses in phonemized:
             # Pieces with no letter-like phoneme (only punctuation and spaces) make no sound.
             if not any(p.strip() and p not in ".,:;!?¡¿—…\"'()-" for p in phonemes):
                 continue
@@ -260,7 +263,8 @@ class PiperEngine(Engine):
             if len(ids) <= 3:
                 continue
             seed = item_seed(self.seed, item_id, len(pieces), attempt)
-            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed)))
+            said = text[spans[clauses[0]][0]:spans[clauses[1]][1]] if spans and clauses else None
+            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed), text=said))
         if not pieces:
             raise RowRejected("nothing pronounceable in the text for this voice")
         return Prepared(tuple(pieces), text)
