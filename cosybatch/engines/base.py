@@ -189,6 +189,12 @@ class Engine(abc.ABC):
         """One batch of pieces from `prepare` -> one trimmed float32 clip per piece. An
         out-of-memory error is retried by the job in halves; any other error, piece by piece."""
 
+    def estimate_seconds(self, piece: Piece) -> Optional[float]:
+        """The seconds of audio `piece` (from `prepare`) is expected to make, from its cost, without
+        synthesising: `run --plan-only` sums them into the predicted hours. None (the default):
+        the engine cannot say, and the plan shows the hours as unknown."""
+        return None
+
     def batch_defaults(self) -> tuple[int, int]:
         """(pieces per batch, padded cost per piece) when the user gives no --batch-size / --batch-budget."""
         return (1, 256) if self.device == "cpu" else (64, 256)
