@@ -7,7 +7,8 @@ It says the rows, the rows that would fail before synthesis (and why, for the fi
 pieces, the predicted audio (each piece's `Engine.estimate_seconds`, plus --sentence-silence
 between a row's pieces; "unknown" when the engine gives no estimate), the batches, and, with a
 throughput figure (``--rate``, or the ``audio_seconds_per_wall_second`` of a complete earlier run of
-the same engine, voice and device in the same output root), the predicted wall time. The disk
+the same engine, voice and device in the same output root: its load once, then the audio at
+its rate without the load), the predicted wall time. The disk
 size is predicted from the audio: 16-bit PCM mono WAV members in tar shards.
 
 The plan is that of a fresh start: a rerun over a folder that already holds committed rows does
@@ -144,7 +145,9 @@ def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
     if found is not None:
         plan["rate"] = found
         if engines.seconds is not None:
-            wall = engines.seconds / found["audio_seconds_per_wall_second"]
+            steady = found.get("steady_audio_seconds_per_wall_second")
+            wall = (found["load_seconds"] + engines.seconds / steady if steady
+                    else engines.seconds / found["audio_seconds_per_wall_second"])
             plan.update(wall_seconds=round(wall, 1), wall_hours=round(wall / 3600, 4))
     else:
         plan["rate"] = None
@@ -178,8 +181,14 @@ def earlier_rate(cfg: RunConfig, engine) -> Optional[dict]:
             continue
         when = stats.get("last_success_timestamp_seconds") or 0
         if best is None or when > best[0]:
-            best = (when, {"audio_seconds_per_wall_second": rate, "from": str(path.parent),
-                           "audio_seconds": stats.get("audio_seconds"), "workers": stats.get("workers")})
+            found = {"audio_seconds_per_wall_second": rate, "from": str(path.parent),
+                     "audio_seconds": stats.get("audio_seconds"), "workers": stats.get("workers")}
+            # The run's rate counts its model load: a small sample run's understates a big job's.
+            # Without the load, the job's wall time is one load plus its audio at the rest's rate.
+            load, wall, audio = (stats.get(k) for k in ("cold_start_seconds", "wall_seconds", "audio_seconds"))
+            if all(isinstance(v, (int, float)) for v in (load, wall, audio)) and 0 <= load < wall and audio > 0:
+                found.update(load_seconds=load, steady_audio_seconds_per_wall_second=round(audio / (wall - load), 3))
+            best = (when, found)
     return best[1] if best else None
 
 
