@@ -97,8 +97,8 @@ class Phonemizer:
 
     def pieces(self, text: str) -> tuple[list[tuple[list[str], Optional[tuple[int, int]]]], list[int]]:
         """Text -> ([(phonemes of a piece, (first, last) clause it holds, or None when it holds part
-        of a clause cut at words)], the phoneme count of each of espeak's clauses). The clauses let
-        `clause_texts` say which words of the text each piece speaks."""
+        of a clause cut at words)], the size (`sounds`) of each of espeak's clauses). The clauses let
+        `text.clause_spans` say which words of the text each piece speaks."""
         if self.config.phoneme_type == "text":
             phonemes = list(unicodedata.normalize("NFD", text))
             return [(phonemes, (0, 0))], [len(phonemes)]
