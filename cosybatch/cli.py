@@ -55,7 +55,7 @@ def _root(
     pass
 
 
-NOT_IN_SPECS = ("ctx", "job", "check")
+NOT_IN_SPECS = ("ctx", "job", "check", "plan_only", "rate")
 
 
 def _engine_aliases() -> dict:
@@ -95,7 +95,7 @@ PANELS = {
     QUALITY: ("qc", "qc_asr_rows", "qc_sample", "qc_asr_model", "qc_max_cer", "qc_max_wer", "qc_retries",
               "qc_on_fail"),
     OPERATIONS: ("max_runtime", "max_failures", "shard", "metrics_file", "pushgateway", "metrics_job", "progress",
-                 "log_every", "check"),
+                 "log_every", "check", "plan_only", "rate"),
 }
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 RAY = "Ray"  # ray-run's own flags
@@ -147,6 +147,13 @@ def _run_parameters() -> list[inspect.Parameter]:
                 "lhotse."),
         _option("check", bool, False, "Check the options, job spec, corpus columns and voice, print the resolved "
                 "settings as JSON, and exit without synthesising.", ("--check",)),
+        _option("plan_only", bool, False, "As --check, then read the whole corpus, prepare every row as the run "
+                "would (the engine is opened) and plan the batches; print the rows, the predicted hours of audio, "
+                "the batches, and with a known rate the wall time and disk size, as JSON under \"plan\". "
+                "Synthesises and writes nothing.", ("--plan-only",)),
+        _option("rate", Optional[float], None, "With --plan-only: the audio-seconds per wall-second to predict "
+                "the wall time with (default: that of a complete earlier run of the same engine, voice and "
+                "device in the output root).", ("--rate",), "AUDIO_S_PER_S"),
     ]
     return params[:2] + _by_panel(params[2:])
 
@@ -164,10 +171,20 @@ def run(ctx: typer.Context, **values) -> None:
     """
     _setup_logging()
     job, check = values.pop("job"), values.pop("check")
+    plan_only, rate = values.pop("plan_only"), values.pop("rate")
     try:
         if job is not None:
             values.update(_spec_values(ctx, job))
         cfg = _build_config(values)
+        if rate is not None and (not plan_only or not rate > 0):
+            raise UsageError("--rate is for --plan-only, and must be > 0 (audio-seconds per wall-second)")
+        if plan_only:
+            from .run.forecast import plan_only as plan_job
+
+            result = plan_job(cfg, rate)
+            print(_plan_line(result["plan"]), file=sys.stderr)
+            print(json.dumps(result, default=str))
+            raise typer.Exit(EXIT_OK)
         if check:
             from .run.job import check as check_job
 
@@ -189,6 +206,28 @@ def run(ctx: typer.Context, **values) -> None:
     )
     print(result.summary_line())
     raise typer.Exit(result.exit_code)
+
+
+def _plan_line(plan: dict) -> str:
+    """`run --plan-only`'s one human line on stderr."""
+    audio = plan["audio_seconds"]
+    line = (f"cosybatch: plan: {plan['rows']} rows ({plan['rows_failing']} would fail before synthesis), "
+            f"{plan['pieces']} pieces in {plan['batches']} batches, "
+            + (f"about {_span(audio)} of audio" if isinstance(audio, float) else "audio length unknown"))
+    if isinstance(plan.get("wall_seconds"), float):
+        rate = plan["rate"]["audio_seconds_per_wall_second"]
+        line += f", about {_span(plan['wall_seconds'])} of wall time at {rate:g} audio-s/s"
+    if isinstance(plan.get("disk_bytes"), int):
+        size = plan["disk_bytes"]
+        line += f", about {size / 2**30:.1f} GiB" if size >= 2**30 else f", about {size / 2**20:.1f} MiB"
+        line += " of shards"
+    return line
+
+
+def _span(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 run.__signature__ = inspect.Signature(_run_parameters())

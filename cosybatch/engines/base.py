@@ -36,6 +36,9 @@ class Piece:
 
     cost: int  # estimated work, in the engine's own unit (Piper: phoneme ids; CosyVoice: text tokens)
     payload: object  # the engine's own input for this piece, handed back in `Unit.payload`
+    # What this piece says, for the row's segment times (KEY.json "segments", Lhotse supervisions
+    # per segment). None: the engine cannot tell; a row none of whose pieces says records no segments.
+    text: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,12 @@ class Engine(abc.ABC):
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:
         """One batch of pieces from `prepare` -> one trimmed float32 clip per piece. An
         out-of-memory error is retried by the job in halves; any other error, piece by piece."""
+
+    def estimate_seconds(self, piece: Piece) -> Optional[float]:
+        """The seconds of audio `piece` (from `prepare`) is expected to make, from its cost, without
+        synthesising: `run --plan-only` sums them into the predicted hours. None (the default):
+        the engine cannot say, and the plan shows the hours as unknown."""
+        return None
 
     def batch_defaults(self) -> tuple[int, int]:
         """(pieces per batch, padded cost per piece) when the user gives no --batch-size / --batch-budget."""

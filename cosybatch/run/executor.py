@@ -37,6 +37,7 @@ class PendingRow:
     label: Optional[str] = None  # the row's voice for the manifest (multi-voice engines)
     instruct: Optional[str] = None  # the instruction it is spoken with, for the manifest
     lm: Optional[list] = None  # per piece, what an LM-based engine said of it (Synthesised.lm)
+    texts: Optional[list] = None  # per piece, what it says (Piece.text); None: the engine does not tell
 
 
 @dataclass
@@ -93,12 +94,31 @@ def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
     return audio
 
 
+def segment_times(parts: list, texts: Optional[list], sample_rate: int, cfg: RunConfig) -> Optional[list]:
+    """Where each piece of a row is in the clip `assemble_audio` makes of `parts`: [{"text",
+    "start", "end"}] in seconds, from the sample counts (the --sentence-silence gap between one
+    piece's end and the next one's start). None when the engine told no piece's text (`texts`
+    None or all None); a piece whose text it could not tell has text None."""
+    if not texts or all(t is None for t in texts):
+        return None
+    gap = round(cfg.sentence_silence * sample_rate) if len(parts) > 1 else 0
+    segments, at = [], 0
+    for i, (part, text) in enumerate(zip(parts, texts, strict=True)):
+        if i:
+            at += gap
+        end = at + len(part)
+        segments.append({"text": text, "start": at / sample_rate, "end": end / sample_rate})
+        at = end
+    return segments
+
+
 def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: RunConfig,
                 voice: Optional[str] = None, instruct: Optional[str] = None,
-                qc: Optional[dict] = None) -> tuple[str, dict, dict]:
+                qc: Optional[dict] = None, segments: Optional[list] = None) -> tuple[str, dict, dict]:
     """A finished row's clip (from `assemble_audio`) -> (shard key, tar members {ext: bytes},
     manifest record). `voice` is the row's own voice when the engine serves several (fixed when
-    the row was prepared); `qc` is the quality gate's record of it (KEY.json "qc")."""
+    the row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `segments`
+    where each piece is in the clip (`segment_times`, KEY.json "segments")."""
     key = item_key(row.id)
     voice = voice or engine.voice_name
     meta = {
@@ -114,6 +134,8 @@ def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: Run
         meta["source_text"] = row.text
     if qc is not None:
         meta["qc"] = qc
+    if segments is not None:
+        meta["segments"] = segments
     wav = wav_bytes(audio, engine.sample_rate)
     # What the audio was, so that verify (and a repair that re-reads it) can tell when it changed;
     # the source hash, so that a repair adopts the item only for the same row.
@@ -287,7 +309,8 @@ class RowAssembler:
         key, self._next_key = self._next_key, self._next_key + 1
         with self.lock:
             self.rows[key] = PendingRow(row, prepared.text, group, [None] * len(prepared.pieces),
-                                        len(prepared.pieces), label=prepared.voice, instruct=prepared.instruct)
+                                        len(prepared.pieces), label=prepared.voice, instruct=prepared.instruct,
+                                        texts=[piece.text for piece in prepared.pieces])
         return [Unit(key, part, piece.cost, group, piece.payload) for part, piece in enumerate(prepared.pieces)]
 
     def take(self, outcome: Outcome) -> list[PendingRow]:

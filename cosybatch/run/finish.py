@@ -34,6 +34,7 @@ from .executor import (
     assemble_audio,
     render_item,
     run_batch,
+    segment_times,
 )
 
 log = logging.getLogger("cosybatch")
@@ -178,7 +179,9 @@ class RowFinisher:
             except ClipRejected as exc:
                 failures.append({"id": p.row.id, "row": p.row.index, "reason": str(exc)})
                 continue
-            items.append(render_item(p.row, p.text, audio, self._engine(p), self.cfg, p.label, p.instruct))
+            engine = self._engine(p)
+            segments = segment_times(p.parts, p.texts, engine.sample_rate, self.cfg)
+            items.append(render_item(p.row, p.text, audio, engine, self.cfg, p.label, p.instruct, segments=segments))
         return items, failures
 
     def _engine(self, p: PendingRow):
@@ -295,7 +298,10 @@ class RowFinisher:
             self.counts.passed_after_retry += 1
         self.counts.committed(chosen.verdict, chosen.pending.label or self._engine(chosen.pending).voice_name)
         p = chosen.pending
-        items.append(render_item(p.row, p.text, chosen.audio, self._engine(p), self.cfg, p.label, p.instruct, qc=qc))
+        engine = self._engine(p)
+        segments = segment_times(p.parts, p.texts, engine.sample_rate, self.cfg)
+        items.append(render_item(p.row, p.text, chosen.audio, engine, self.cfg, p.label, p.instruct, qc=qc,
+                                 segments=segments))
 
 
 def _merge_lm(parts: Optional[list]) -> Optional[dict]:

@@ -20,7 +20,8 @@ as loose files instead, for tools that need them:
 
     OUT/exports/wavs/KEY.wav                           plain WAV files, shared by both
     OUT/exports/nemo/manifest.jsonl                    audio_filepath relative to the manifest
-    OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  absolute paths (Lhotse resolves from CWD)
+    OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  absolute paths (Lhotse resolves from CWD);
+                                                       a supervision per segment (KEY.json "segments")
 
 An export first checks the folder as `cosybatch status` does (every shard has the size its journal
 says): a folder that lost a shard after it finished is refused, never exported short. Each format
@@ -320,12 +321,18 @@ def _write_lhotse(root: Path, dest: Path, copy: bool = False) -> None:
             "sampling_rate": meta["sample_rate"], "num_samples": meta["num_samples"],
             "duration": meta["num_samples"] / meta["sample_rate"], "channel_ids": [0],
         })
-        supervisions.append({
-            "id": rec_id, "recording_id": rec_id, "start": 0.0,
-            "duration": meta["num_samples"] / meta["sample_rate"], "channel": 0, "text": meta["text"],
-            "speaker": meta["voice"],
-            "custom": {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
-                       **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})},
-        })
+        duration = meta["num_samples"] / meta["sample_rate"]
+        custom = {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
+                  **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})}
+        segments = meta.get("segments") if isinstance(meta.get("segments"), list) else []
+        if len(segments) < 2:  # one supervision for the whole clip
+            supervisions.append({"id": rec_id, "recording_id": rec_id, "start": 0.0, "duration": duration,
+                                 "channel": 0, "text": meta["text"], "speaker": meta["voice"], "custom": custom})
+            continue
+        for i, seg in enumerate(segments):  # one per piece the row was spoken as (KEY.json "segments")
+            start, end = max(0.0, seg["start"]), min(duration, seg["end"])
+            supervisions.append({"id": f"{rec_id}-{i}", "recording_id": rec_id, "start": start,
+                                 "duration": end - start, "channel": 0, "text": seg["text"], "speaker": meta["voice"],
+                                 "custom": {**custom, "segment": i}})
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
         (dest / f"{name}.jsonl.gz").write_bytes(gzip.compress(_jsonl(rows), mtime=0))

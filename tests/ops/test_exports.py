@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import os
 import re
@@ -166,3 +167,60 @@ def test_decoding_the_hf_audio_with_torchcodec(tmp_path):
     assert proc.returncode == 0, proc.stderr
     sr, samples = proc.stdout.split()
     assert sr == "22050" and int(samples) > 0
+
+
+# -- segment times (KEY.json "segments", a Lhotse supervision per segment) ----------------------------
+
+
+def test_segment_times_tile_the_clip_and_each_holds_its_piece(tmp_path):
+    """A 3-sentence row: its segments tile the clip (gaps of --sentence-silence between), the audio
+    of segment i is piece i's audio (synthesised alone, scaled by the clip's normalisation) and the
+    text its sentence's; a one-sentence row has one segment; Lhotse loads a supervision per segment."""
+    import numpy as np
+
+    from cosybatch.engines import EngineOptions, VoiceRequest
+    from cosybatch.engines.piper.engine import PiperEngine, PiperOptions
+    from cosybatch.plan import Unit
+
+    three = "The kettle clicked off. Where did I put my keys? Good morning, everyone!"
+    rows = [{"id": "three", "text": three}, {"id": "one", "text": "That sounds wonderful."}]
+    out = tmp_path / "out"
+    result = run(RunConfig(corpus=write_parquet(tmp_path / "c.parquet", rows), out=out, export=("lhotse",),
+                           sentence_silence=0.3, progress="none"))
+    assert result.exit_code == 0
+    items = read_output(out)
+    meta, audio = items["three"]["meta"], items["three"]["audio"]
+    sr, segments = meta["sample_rate"], meta["segments"]
+    assert [s["text"] for s in segments] == ["The kettle clicked off.", "Where did I put my keys?",
+                                             "Good morning, everyone!"]
+    gap = round(0.3 * sr) / sr
+    assert segments[0]["start"] == 0.0 and segments[-1]["end"] == pytest.approx(meta["duration"], abs=1e-12)
+    for a, b in itertools.pairwise(segments):
+        assert a["end"] == pytest.approx(b["start"] - gap, abs=1e-12)
+
+    engine = PiperEngine(None, EngineOptions(engine=PiperOptions()))
+    pieces = engine.prepare(three, "three", VoiceRequest()).pieces
+    alone = [engine.synthesize([Unit(0, i, p.cost, "", p.payload)]).audio[0] for i, p in enumerate(pieces)]
+    peak = max(float(np.abs(a).max()) for a in alone)
+    for seg, piece in zip(segments, alone, strict=True):
+        start, end = round(seg["start"] * sr), round(seg["end"] * sr)
+        assert end - start == len(piece)  # sample for sample
+        np.testing.assert_allclose(audio[start:end], piece / peak, atol=2e-4)  # 16-bit PCM
+        assert not audio[end:end + round(gap * sr)].any()  # silence between (none after the last)
+    one = items["one"]["meta"]
+    assert one["segments"] == [{"text": "That sounds wonderful.", "start": 0.0, "end": one["duration"]}]
+
+    import lhotse
+
+    cuts = {c.recording_id: c for c in lhotse.CutSet.from_manifests(
+        recordings=lhotse.load_manifest(out / "exports/lhotse/recordings.jsonl.gz"),
+        supervisions=lhotse.load_manifest(out / "exports/lhotse/supervisions.jsonl.gz"))}
+    sups = sorted(cuts[items["three"]["key"]].supervisions, key=lambda s: s.start)
+    assert [s.text for s in sups] == [s["text"] for s in segments]
+    for sup, seg in zip(sups, segments, strict=True):
+        assert sup.start == pytest.approx(seg["start"]) and sup.end == pytest.approx(seg["end"])
+        assert sup.custom["id"] == "three"
+    whole = cuts[items["one"]["key"]].supervisions
+    assert len(whole) == 1 and whole[0].duration == pytest.approx(one["duration"]) and whole[0].text == one["text"]
+    trimmed = cuts[items["three"]["key"]].trim_to_supervisions(keep_overlapping=False)
+    assert [len(c.load_audio()[0]) for c in trimmed] == [len(a) for a in alone]

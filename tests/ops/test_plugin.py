@@ -42,6 +42,7 @@ def test_a_plugin_engine_gets_batching_shards_failures_and_resume(tmp_path):
         sentences = [s.strip() for s in row["text"].split(".") if s.strip()]
         assert len(items[row["id"]]["audio"]) == sum(len(s) for s in sentences) * 160  # 10 ms per character
         assert items[row["id"]]["meta"]["settings"]["base_hz"] == 300.0
+        assert "segments" not in items[row["id"]]["meta"]  # its pieces tell no text (Piece.text None)
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
     assert [(f["id"], f["reason"]) for f in failures] == [("long", "a sentence is over max_chars 40")]
     stats = json.loads((out / "stats.json").read_text())

@@ -334,6 +334,11 @@ class CosyVoiceEngine(Engine):
     def memory_plan(self) -> MemoryPlan:
         return MemoryPlan(self.probed_budget, self.pool_info)
 
+    def estimate_seconds(self, piece: Piece) -> float:
+        """Text tokens -> the speech tokens the planner expects of them (TOKENS_PER_TEXT_TOKEN,
+        about 7 at 25 Hz for English) -> seconds at the family's token rate; the prompt's are not spoken."""
+        return self._tokens_per_text_token() * len(piece.payload.text_tokens) / self.config.token_frame_rate
+
     def batch_defaults(self) -> tuple[int, int]:
         """(segments per planner batch, padded cost per segment): a planner batch is the queue of
         the LM's slot pool, a few times the slots so they stay full while rows finish."""
@@ -460,8 +465,8 @@ class CosyVoiceEngine(Engine):
                                     lm_speech=lm_speech, lm_embedding=instruct is None))
             costs.append(max(1, per_token * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
-        return Prepared(tuple(Piece(c, p) for c, p in zip(costs, payloads, strict=True)), spoken, voice=chosen.key,
-                        instruct=instruct)
+        pieces = tuple(Piece(c, p, text=seg) for c, p, (seg, _) in zip(costs, payloads, segments, strict=True))
+        return Prepared(pieces, spoken, voice=chosen.key, instruct=instruct)
 
     # -- audio --------------------------------------------------------------------------------
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:

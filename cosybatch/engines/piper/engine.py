@@ -27,7 +27,7 @@ from ...plan import Unit
 from ..base import Alias, Engine, EngineOptions, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
 from .graph import patch_graph
 from .phonemes import MAX_PIECE_IDS, Phonemizer
-from .text import foreign_letters, normalize_symbols, voice_scripts
+from .text import clause_spans, foreign_letters, normalize_symbols, voice_scripts
 from .voice import VoiceConfig, resolve_voice
 
 log = logging.getLogger("cosybatch")
@@ -36,6 +36,10 @@ log = logging.getLogger("cosybatch")
 # runs at about 2.3 frames per id; on a miss the batch is rerun with a larger allowance.
 NOISE_FRAMES_PER_ID = 4.0
 CUDA_PAD_MULTIPLE = 32
+# Decoder frames per phoneme id at length_scale 1, for `run --plan-only`'s predicted hours: 2.14
+# measured on en_US-joe-medium over the 120 rows of examples/corpus.parquet (26,803 ids; per
+# piece 1.94 to 2.78, 5th to 95th percentile). Other voices speak at their own rate.
+FRAMES_PER_ID = 2.14
 
 
 @dataclass(frozen=True)
@@ -252,7 +256,10 @@ class PiperEngine(Engine):
                 raise RowRejected(f"characters this voice ({self.config.espeak_voice}) cannot speak: "
                                   f"{sample!r}; route the row to a voice for that language")
         pieces: list[Piece] = []
-        for phonemes in self.phonemizer.phonemize(text):
+        phonemized, sizes = self.phonemizer.pieces(text)
+        spans = ([(0, len(text))] if self.config.phoneme_type != "espeak"
+                 else clause_spans(text, sizes, self.phonemizer.sounds))
+        for phonemes, clauses in phonemized:
             # Pieces with no letter-like phoneme (only punctuation and spaces) make no sound.
             if not any(p.strip() and p not in ".,:;!?¡¿—…\"'()-" for p in phonemes):
                 continue
@@ -260,10 +267,15 @@ class PiperEngine(Engine):
             if len(ids) <= 3:
                 continue
             seed = item_seed(self.seed, item_id, len(pieces), attempt)
-            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed)))
+            said = text[spans[clauses[0]][0]:spans[clauses[1]][1]] if spans and clauses else None
+            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed), text=said))
         if not pieces:
             raise RowRejected("nothing pronounceable in the text for this voice")
         return Prepared(tuple(pieces), text)
+
+    def estimate_seconds(self, piece: Piece) -> float:
+        """Phoneme ids -> seconds: FRAMES_PER_ID frames per id, times the length scale, of `hop` samples."""
+        return piece.cost * FRAMES_PER_ID * self.length_scale * self.config.hop / self.sample_rate
 
     # -- audio -----------------------------------------------------------------------------
     def _noise(self, pieces: Sequence[PhonemeIds], frame_allowance: float, input_width: int) -> dict:

@@ -8,7 +8,7 @@ import re
 import threading
 import unicodedata
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -22,6 +22,7 @@ _ESPEAK_LOCK = threading.Lock()  # espeak-ng keeps global state: one caller at a
 _ESPEAK_READY = False
 _LANG_SWITCH = re.compile(r"\([^)]*\)")  # espeak marks foreign words as (fr)...(en)
 _CLAUSE_BREAKS = (",", ":", ";")
+_PUNCTUATION = frozenset(".,:;!?¡¿—…\"'()-")
 
 
 def espeak_clauses(voice: str, text: str) -> list[tuple[str, bool]]:
@@ -43,6 +44,11 @@ def espeak_clauses(voice: str, text: str) -> list[tuple[str, bool]]:
             phonemes += " "
         clauses.append((phonemes, bool(end_of_sentence)))
     return clauses
+
+
+def sounds(phonemes: str) -> int:
+    """A clause's size for matching it to its text: its phoneme characters, without spaces and punctuation."""
+    return sum(1 for ch in phonemes if not ch.isspace() and ch not in _PUNCTUATION)
 
 
 def _merge_clusters(phonemes: list[str], clusters: frozenset) -> list[str]:
@@ -87,26 +93,49 @@ class Phonemizer:
 
     def phonemize(self, text: str) -> list[list[str]]:
         """Text -> pieces of phonemes: sentences, split further where one is over-long."""
+        return [phonemes for phonemes, _ in self.pieces(text)[0]]
+
+    def pieces(self, text: str) -> tuple[list[tuple[list[str], Optional[tuple[int, int]]]], list[int]]:
+        """Text -> ([(phonemes of a piece, (first, last) clause it holds, or None when it holds part
+        of a clause cut at words)], the size (`sounds`) of each of espeak's clauses). The clauses let
+        `text.clause_spans` say which words of the text each piece speaks."""
         if self.config.phoneme_type == "text":
-            return [list(unicodedata.normalize("NFD", text))]
+            phonemes = list(unicodedata.normalize("NFD", text))
+            return [(phonemes, (0, 0))], [len(phonemes)]
         limit = max(8, (self.max_piece_ids - 3) // 2)  # ids: ^ _ (p _)* $ = 2 x phonemes + 3
-        pieces: list[list[str]] = []
+        pieces: list = []
+        sizes: list[int] = []
         current: list[str] = []
-        for phonemes, end_of_sentence in espeak_clauses(self.config.espeak_voice, text):
+        span: Optional[list] = None  # [first, last] clause of `current`; None once it holds part of one
+        for index, (phonemes, end_of_sentence) in enumerate(espeak_clauses(self.config.espeak_voice, text)):
             clause = _merge_clusters(list(unicodedata.normalize("NFD", phonemes)), self.config.vowel_clusters)
+            sizes.append(sounds(phonemes))
             if current and len(current) + len(clause) > limit:
-                pieces.append(current)
-                current = []
+                pieces.append((current, span))
+                current, span = [], []
+            whole = True
             if len(clause) > limit:
                 *full, clause = _split_words(clause, limit)
-                pieces.extend(full)
+                if full:
+                    if current:
+                        pieces.append((current, span))
+                    pieces.extend((chunk, None) for chunk in full)
+                    current, span, whole = [], [], False
+            if not current:
+                span = [index, index] if whole else None
+            elif span is not None:
+                span = [*span[:1], index] if whole else None
             current.extend(clause)
             if end_of_sentence:
-                pieces.append(current)
-                current = []
+                pieces.append((current, span))
+                current, span = [], []
         if current:
-            pieces.append(current)
-        return pieces
+            pieces.append((current, span))
+        return [(ph, tuple(sp) if sp else None) for ph, sp in pieces], sizes
+
+    def sounds(self, text: str) -> int:
+        """How many phonemes espeak-ng makes of `text` alone (`sounds`), to place clause cuts."""
+        return sum(sounds(phonemes) for phonemes, _ in espeak_clauses(self.config.espeak_voice, text))
 
     def to_ids(self, phonemes: Sequence[str]) -> tuple[np.ndarray, int]:
         """Phonemes -> `^ _ p1 _ p2 _ ... $` ids, and how many phonemes the voice lacked."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import bisect
 import re
 import unicodedata
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 # --------------------------------------------------------------------------------------------
 # What a voice can speak
@@ -209,3 +211,81 @@ def normalize_symbols(text: str, english: bool) -> str:
     """A row's text as the voice will speak it: spoken forms of symbols (English voices), then
     without emoji and symbols that have none."""
     return strip_emoji(speak_symbols_english(text) if english else text)
+
+
+# --------------------------------------------------------------------------------------------
+# Which words each piece speaks
+# --------------------------------------------------------------------------------------------
+# Where a clause of the text ends: , : ; . ! ? (with closing quotes or brackets after them) before a
+# space or the end, as espeak-ng cuts its clauses.
+_CLAUSE_END = re.compile(r"[.,:;!?\u2026]+[\"'\u201d\u2019)\]]*(?=\s|$)")
+
+
+def clause_spans(text: str, sizes: Sequence[int], measure: Callable[[str], int]) -> Optional[list[tuple[int, int]]]:
+    """Where in `text` each of espeak-ng's clauses is, given their sizes (`measure` of each clause's
+    phonemes): (start, end) character offsets, or None when the punctuation cannot tell. espeak-ng
+    says no offsets, so the text is cut at its clause punctuation; where that gives more pieces than
+    espeak made clauses (it read "St." or "e.g." inside one), neighbours are merged where the sizes
+    before each cut (`measure` of each piece's text phonemised alone) best match the clauses'."""
+    chunks, start = [], 0
+    for match in _CLAUSE_END.finditer(text):
+        chunks.append((start, match.end()))
+        start = match.end()
+    chunks.append((start, len(text)))
+    chunks = [_strip(text, a, b) for a, b in chunks]
+    chunks = [c for c in chunks if any(ch.isalnum() for ch in text[c[0]:c[1]])]
+    k = len(sizes)
+    if not chunks or len(chunks) < k or k == 0:
+        return None
+    if len(chunks) == k:
+        return chunks
+    have = _running([measure(text[a:b]) for a, b in chunks])  # after chunk j, j = 0 .. m-2
+    want = _running(list(sizes))  # after clause i, i = 0 .. k-2
+    cuts = _best_cuts(have, want)
+    spans, first = [], 0
+    for cut in [*cuts, len(chunks) - 1]:
+        spans.append((chunks[first][0], chunks[cut][1]))
+        first = cut + 1
+    return spans
+
+
+def _strip(text: str, a: int, b: int) -> tuple[int, int]:
+    while a < b and text[a].isspace():
+        a += 1
+    while b > a and text[b - 1].isspace():
+        b -= 1
+    return a, b
+
+
+def _running(counts: list[int]) -> list[int]:
+    run, out = 0, []
+    for n in counts[:-1]:
+        run += n
+        out.append(run)
+    return out
+
+
+def _best_cuts(have: list[int], want: list[int]) -> list[int]:
+    """Indices into `have` (increasing), one per `want`, minimising the summed distance."""
+    m, k = len(have), len(want)
+    if not k:
+        return []
+    inf = float("inf")
+    cost = [[inf] * m for _ in range(k)]
+    back = [[-1] * m for _ in range(k)]
+    for j in range(m):
+        cost[0][j] = abs(have[j] - want[0])
+    for i in range(1, k):
+        best, arg = inf, -1
+        for j in range(m):
+            if j - 1 >= 0 and cost[i - 1][j - 1] < best:
+                best, arg = cost[i - 1][j - 1], j - 1
+            if best < inf:
+                cost[i][j] = best + abs(have[j] - want[i])
+                back[i][j] = arg
+    j = min(range(m), key=lambda x: cost[k - 1][x])
+    cuts = [j]
+    for i in range(k - 1, 0, -1):
+        j = back[i][j]
+        cuts.append(j)
+    return cuts[::-1]

@@ -112,6 +112,18 @@ def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus
     assert proc.returncode == 0, proc.stderr
     meta = next(iter(read_output(out).values()))["meta"]
     assert meta["settings"]["sampling"] == {"top_p": 0.8, "top_k": 1, "win_size": 10, "tau_r": 2.0}
+    assert meta["segments"] == [{"text": meta["text"], "start": 0.0, "end": meta["duration"]}]  # its one segment
+
+    # --plan-only: the same batches, hours from the text tokens, and the rate of the run just made.
+    from cosybatch.config import RunConfig
+    from cosybatch.run.forecast import plan_only
+
+    cfg = RunConfig(corpus=corpus, out=tmp_path / "again", engine="cosyvoice", engine_options={"model": str(model)},
+                    device="cpu", limit=1, progress="none")
+    plan = plan_only(cfg)["plan"]
+    stats = json.loads((out / "stats.json").read_text())
+    assert plan["batches"] == stats["batches"] and plan["rows"] == 1 and plan["audio_seconds"] > 0
+    assert plan["rate"]["from"] == str(out)
 
 
 def test_stage_batches_follow_real_lengths_and_the_cost_budget():

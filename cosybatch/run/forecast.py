@@ -1,0 +1,200 @@
+"""`cosybatch run --plan-only`: how a run will go, before it runs. The corpus is read and every row
+prepared as the run would (the engine is opened: for Piper the voice's ONNX session, for CosyVoice
+the whole model), the rows are planned into batches by the run's own producer and batch policy,
+and nothing is synthesised or written.
+
+It says the rows, the rows that would fail before synthesis (and why, for the first few), the
+pieces, the predicted audio (each piece's `Engine.estimate_seconds`, plus --sentence-silence
+between a row's pieces; "unknown" when the engine gives no estimate), the batches, and, with a
+throughput figure (``--rate``, or the ``audio_seconds_per_wall_second`` of a complete earlier run of
+the same engine, voice and device in the same output root: its load once, then the audio at
+its rate without the load), the predicted wall time. The disk
+size is predicted from the audio: 16-bit PCM mono WAV members in tar shards.
+
+The plan is that of a fresh start: a rerun over a folder that already holds committed rows does
+only the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..config import RunConfig
+from ..corpus import Row
+from ..stats import Stats
+from ..store.checkpoint import STATS_FILE
+from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler
+from .job import RowGate, check, open_corpus, part_config
+from .producer import Producer
+
+# What a tar shard adds to an item's WAV samples: the WAV header, a 512-byte tar header per member
+# (KEY.wav and KEY.json), members padded to 512 bytes, and the KEY.json itself (about 1 KiB with
+# the settings, up to 2 KiB with the quality signals and segments).
+WAV_HEADER_BYTES = 44
+TAR_BLOCK = 512
+JSON_MEMBER_BYTES = 2 * TAR_BLOCK + 2048  # its header, and the JSON padded to 512s
+FAILURE_EXAMPLES = 5
+
+
+class _Estimating(EngineSet):
+    """The run's engines, summing each prepared row's predicted seconds."""
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.rows = 0
+        self.pieces = 0
+        self.seconds: Optional[float] = 0.0  # None once a piece has no estimate
+        self.samples: Optional[int] = 0
+
+    def prepare(self, row: Row, attempt: int = 0):
+        group, prepared = super().prepare(row, attempt)
+        engine = self.by_voice[group]
+        self.rows += 1
+        self.pieces += len(prepared.pieces)
+        if self.seconds is not None:
+            each = [engine.estimate_seconds(piece) for piece in prepared.pieces]
+            if any(s is None for s in each):
+                self.seconds = self.samples = None
+            else:
+                clip = sum(each) + self.cfg.sentence_silence * (len(each) - 1)
+                self.seconds += clip
+                self.samples += round(clip * engine.sample_rate)
+        return group, prepared
+
+
+class _Counted:
+    """Stands in for the run's work queue: counts each batch the producer plans, and lets its rows
+    go (so a huge corpus is planned in the memory of one window)."""
+
+    def __init__(self, assembler: RowAssembler):
+        self.assembler = assembler
+        self.batches = 0
+        self.sizes: list[int] = []
+
+    def put(self, batch, timeout=None) -> None:
+        self.batches += 1
+        self.sizes.append(len(batch.units))
+        self.assembler.take(Outcome(batch, [np.zeros(0, dtype=np.float32)] * len(batch.units)))
+
+
+class _Failures:
+    """Stands in for the results queue: the rows that fail before synthesis."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.examples: list[dict] = []
+
+    def put(self, message) -> None:
+        _, failures = message
+        self.count += len(failures)
+        room = FAILURE_EXAMPLES - len(self.examples)
+        self.examples += failures[:max(0, room)]
+
+
+class _Unbounded:
+    def acquire(self, timeout=None) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+
+def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
+    """`run --check`'s result plus "plan": what a run of `cfg` would do (module docstring)."""
+    t0 = time.monotonic()
+    checked = check(cfg)
+    cfg = part_config(cfg)
+    corpus = open_corpus(cfg)
+    engines = _Estimating(cfg)
+    t = time.monotonic()
+    default = engines.get(cfg.voice, from_row=False)
+    open_s = time.monotonic() - t
+    policy = BatchPolicy.for_engine(cfg, default)
+    assembler = RowAssembler()
+    work, failures = _Counted(assembler), _Failures()
+    stats = Stats()
+    producer = Producer(cfg, corpus, RowGate(set(), set(), cfg.max_chars), engines, assembler, policy, stats,
+                        threading.Event(), _Unbounded())
+    producer.run(work, failures)
+    plan: dict = {
+        "rows": engines.rows + failures.count,
+        "rows_to_synthesise": engines.rows,
+        "rows_failing": failures.count,
+        **({"failing_examples": failures.examples} if failures.examples else {}),
+        "pieces": engines.pieces,
+        "batches": work.batches,
+        "batch_size_limit": policy.batch_size,
+        "batch_budget": policy.batch_budget,
+        "batch_size_mean": round(sum(work.sizes) / len(work.sizes), 2) if work.sizes else 0,
+        "engine": default.name, "voice": default.voice_name, "device": default.device,
+    }
+    if producer.corpus_error is not None:
+        plan["corpus_error"] = str(producer.corpus_error)
+    if engines.seconds is None:
+        plan.update(audio_seconds="unknown", audio_hours="unknown", disk_bytes="unknown")
+    else:
+        plan.update(audio_seconds=round(engines.seconds, 1), audio_hours=round(engines.seconds / 3600, 4),
+                    disk_bytes=disk_bytes(engines.samples, engines.rows, cfg.shard_max_items))
+    found = {"audio_seconds_per_wall_second": rate, "from": "--rate"} if rate else earlier_rate(cfg, default)
+    if found is not None:
+        plan["rate"] = found
+        if engines.seconds is not None:
+            steady = found.get("steady_audio_seconds_per_wall_second")
+            wall = (found["load_seconds"] + engines.seconds / steady if steady
+                    else engines.seconds / found["audio_seconds_per_wall_second"])
+            plan.update(wall_seconds=round(wall, 1), wall_hours=round(wall / 3600, 4))
+    else:
+        plan["rate"] = None
+        plan["wall_seconds"] = "unknown: give --rate AUDIO_S_PER_S, or run a sample first into the same output root"
+    plan["seconds"] = {"open_engine": round(open_s, 3), "read": round(stats.stage_s["read"], 3),
+                       "prepare": round(stats.stage_s["prepare"], 3), "total": round(time.monotonic() - t0, 3)}
+    return {**checked, "plan": plan}
+
+
+def disk_bytes(samples: int, items: int, per_shard: int) -> int:
+    """The shards' size for `items` clips of `samples` samples in all: 16-bit PCM mono WAV members
+    (each padded to 512 bytes, behind its tar header) and their KEY.json, and each shard's end."""
+    wav = 2 * samples + items * (WAV_HEADER_BYTES + TAR_BLOCK + TAR_BLOCK // 2)  # half a block of padding, on average
+    shards = max(1, -(-items // max(1, per_shard)))
+    return wav + items * JSON_MEMBER_BYTES + shards * 20 * TAR_BLOCK  # tarfile pads each shard to 10 KiB records
+
+
+def earlier_rate(cfg: RunConfig, engine) -> Optional[dict]:
+    """The rate of the latest complete earlier run of this engine, voice and device in the output
+    root (the --out folder, its siblings, and their part-* folders), or None."""
+    root = cfg.out.parent if cfg.shard_count is None else cfg.out.parent.parent
+    paths = {cfg.out / STATS_FILE, *root.glob(f"*/{STATS_FILE}"), *root.glob(f"*/part-*/{STATS_FILE}")}
+    best = None
+    for path in sorted(paths):
+        stats = _read(path)
+        rate = stats.get("audio_seconds_per_wall_second")
+        if (stats.get("status") != "complete" or not isinstance(rate, (int, float)) or rate <= 0
+                or not stats.get("items_done")
+                or (stats.get("engine"), stats.get("voice"), stats.get("device"))
+                != (engine.name, engine.voice_name, engine.device)):
+            continue
+        when = stats.get("last_success_timestamp_seconds") or 0
+        if best is None or when > best[0]:
+            found = {"audio_seconds_per_wall_second": rate, "from": str(path.parent),
+                     "audio_seconds": stats.get("audio_seconds"), "workers": stats.get("workers")}
+            # The run's rate counts its model load: a small sample run's understates a big job's.
+            # Without the load, the job's wall time is one load plus its audio at the rest's rate.
+            load, wall, audio = (stats.get(k) for k in ("cold_start_seconds", "wall_seconds", "audio_seconds"))
+            if all(isinstance(v, (int, float)) for v in (load, wall, audio)) and 0 <= load < wall and audio > 0:
+                found.update(load_seconds=load, steady_audio_seconds_per_wall_second=round(audio / (wall - load), 3))
+            best = (when, found)
+    return best[1] if best else None
+
+
+def _read(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
