@@ -10,9 +10,9 @@ Modes (``--qc``):
            its CER (and WER, if a limit is set) is within the limit and no hard flag is raised
 
 Flags are hard (the clip is wrong whatever the ASR hears: the LM hit its length cap or gave
-non-finite logits, a loop of one speech token, a long silence, noise, clipping) or soft (speech
-rate or speech share far from the voice's usual: a cut or a repeat is likely, the ASR decides
-when it runs; without ASR the flag fails the clip).
+non-finite logits, a loop of one speech token, the clip stops mid-speech, a long silence, noise,
+clipping) or soft (speech rate or speech share far from the voice's usual: a cut or a repeat is
+likely, the ASR decides when it runs; without ASR the flag fails the clip).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..errors import UsageError
 MODES = ("off", "signals", "gate", "asr")
 ASR_ROWS = ("flagged", "all", "sample")
 ON_FAIL = ("drop", "keep")
-HARD = ("length_cap", "nonfinite", "token_loop", "long_lead", "long_tail", "long_gap", "noise", "clipped")
+HARD = ("length_cap", "nonfinite", "token_loop", "cut_end", "long_lead", "long_tail", "long_gap", "noise", "clipped")
 SOFT = ("fast", "slow", "low_speech")
 HISTORY = 2000  # clips per voice the speech-rate median is taken over
 
@@ -43,6 +43,9 @@ class Limits:
     min_history: int = 8  # clips of a voice before its speech rate is judged
     max_lead_s: float = 1.0
     max_tail_s: float = 1.0
+    # the clip's last 30 ms within this many dB of its loud frames: it stops while speech sounds
+    # (cut short). signals.SPEECH_DB, the level that counts as speech; a finished clip decays far below
+    max_end_db: float = -35.0
     max_gap_s: float = 1.0  # beyond --sentence-silence
     min_speech_share: float = 0.6
     max_clipped: float = 0.01
@@ -139,6 +142,8 @@ def flags(signals: dict, lm: Optional[dict], z: Optional[float], limits: Limits,
             raised.add("nonfinite")
         if (lm.get("token_run") or 0) >= limits.max_token_run:
             raised.add("token_loop")
+    if signals.get("end_db", -200.0) > limits.max_end_db:
+        raised.add("cut_end")
     if signals["lead_s"] > limits.max_lead_s:
         raised.add("long_lead")
     if signals["tail_s"] > limits.max_tail_s:
