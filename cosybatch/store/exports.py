@@ -132,12 +132,14 @@ def _write_hf(root: Path, dest: Path) -> None:
     manifest = root / "manifest.parquet"
     names = pq.read_schema(manifest).names if manifest.exists() else []
     with_instruct = "instruct" in names
+    optional = [name for name in ("speaker", "prompt", "language") if name in names]  # voice pools, languages
     with_qc = "qc_flags" in names  # the quality gate's columns, when it measured the clips
     # A worker whose shard of the corpus is empty still gets one (empty) file, so it loads.
     for n, shard in enumerate(paths or [None]):
         rows = {"audio": [], "id": [], "text": [], "duration": [], "sampling_rate": [], "voice": []}
         if with_instruct:
             rows["instruct"] = []
+        rows.update({name: [] for name in optional})
         if with_qc:
             rows.update({name: [] for name, _ in QC_COLUMNS})
         for key, meta, wav in iter_shard(shard) if shard is not None else ():
@@ -149,6 +151,8 @@ def _write_hf(root: Path, dest: Path) -> None:
             rows["voice"].append(meta["voice"])
             if with_instruct:
                 rows["instruct"].append(meta.get("instruct"))
+            for name in optional:
+                rows[name].append(meta.get(name))
             if with_qc:
                 columns = qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {}
                 for name, _ in QC_COLUMNS:
@@ -168,6 +172,9 @@ def _write_hf(root: Path, dest: Path) -> None:
         if with_instruct:
             features["instruct"] = {"dtype": "string", "_type": "Value"}
             fields.append(("instruct", pa.string()))
+        for name in optional:
+            features[name] = {"dtype": "string", "_type": "Value"}
+            fields.append((name, pa.string()))
         if with_qc:
             for name, kind in QC_COLUMNS:
                 features[name] = {"dtype": {"bool_": "bool"}.get(kind, kind), "_type": "Value"}
@@ -191,6 +198,12 @@ def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
     return out
 
 
+def speaker_label(meta: dict) -> str:
+    """The speaker of an item for NeMo and Lhotse: its voice, and the speaker of a multi-speaker
+    voice a pool gave it (VOICE#SPEAKER)."""
+    return meta["voice"] if meta.get("speaker") is None else f"{meta['voice']}#{meta['speaker']}"
+
+
 def export_nemo(root: Path) -> Path:
     dest = root / "exports" / "nemo"
     write_into_place(dest, lambda tmp: _write_nemo(root, dest, tmp))
@@ -201,9 +214,11 @@ def _write_nemo(root: Path, dest: Path, tmp: Path) -> None:
     lines = []
     for path, meta in _extract_wavs(root):
         entry = {"audio_filepath": os.path.relpath(path, dest), "duration": meta["duration"],
-                 "text": meta["text"], "speaker": meta["voice"], "id": meta["id"]}
+                 "text": meta["text"], "speaker": speaker_label(meta), "id": meta["id"]}
         if "instruct" in meta:
             entry["instruct"] = meta["instruct"]
+        if "language" in meta:
+            entry["lang"] = meta["language"]  # NeMo's key (its multilingual tokenizers read it)
         if isinstance(meta.get("qc"), dict):  # flat, as NeMo's manifest filters read fields
             entry.update(qc_columns(meta["qc"]))
         lines.append(json.dumps(entry, ensure_ascii=False))
@@ -229,8 +244,9 @@ def _write_lhotse(root: Path, dest: Path) -> None:
         supervisions.append({
             "id": rec_id, "recording_id": rec_id, "start": 0.0,
             "duration": meta["num_samples"] / meta["sample_rate"], "channel": 0, "text": meta["text"],
-            "speaker": meta["voice"],
+            "speaker": speaker_label(meta), **({"language": meta["language"]} if "language" in meta else {}),
             "custom": {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
+                       **({"prompt": meta["prompt"]} if "prompt" in meta else {}),
                        **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})},
         })
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):

@@ -98,3 +98,29 @@ def test_decoding_the_hf_audio_with_torchcodec(tmp_path):
     assert proc.returncode == 0, proc.stderr
     sr, samples = proc.stdout.split()
     assert sr == "22050" and int(samples) > 0
+
+
+def test_exports_carry_the_rows_language_and_pool_speaker(tmp_path):
+    """The language column reaches every export (HF `language`, NeMo `lang`, Lhotse supervisions'
+    `language`), each loaded by its own library; rows without one have none."""
+    rows = corpus_rows(3)
+    rows[0]["language"], rows[1]["language"] = "en", "en-GB"
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    run(RunConfig(corpus=corpus, out=out, export=("hf", "nemo", "lhotse"), progress="none", qc="off"))
+    want = {"utt/0": "en", "utt/1": "en-GB", "utt/2": None}
+
+    import datasets
+
+    hf = datasets.load_dataset("parquet", data_files=sorted(map(str, (out / "exports/hf/data").glob("*.parquet"))),
+                               split="train", cache_dir=str(tmp_path / "hf-cache"))
+    assert hf.features["language"] == datasets.Value("string")
+    assert dict(zip(hf["id"], hf["language"], strict=True)) == want
+
+    entries = [json.loads(line) for line in (out / "exports/nemo/manifest.jsonl").read_text().splitlines()]
+    assert {e["id"]: e.get("lang") for e in entries} == want
+
+    import lhotse
+
+    supervisions = lhotse.load_manifest(out / "exports/lhotse/supervisions.jsonl.gz")
+    assert {s.custom["id"]: s.language for s in supervisions} == want
