@@ -100,8 +100,8 @@ def test_a_job_spec_takes_a_pool_list_and_a_voice_map_table(tmp_path):
 
 # -- assignment ------------------------------------------------------------------------------------
 def test_pool_voices_are_the_same_per_id_across_resume_and_shards(tmp_path):
-    """Hash mode: a row's voice depends on its id (and the seed) only; speakers of one voice and
-    the voice's copies share nothing but the id hash. Resume and --shard give every id the same voice."""
+    """Hash mode: a row's voice depends on its id (and the seed) only: resume, --shard and a
+    ray-run actor give every id the same voice."""
     voices = voice_copies(tmp_path / "voices")
     corpus = short_corpus(tmp_path / "c.jsonl", 6)
     pool = f"{voices}/a.onnx,{voices}/b.onnx:2"
@@ -116,6 +116,14 @@ def test_pool_voices_are_the_same_per_id_across_resume_and_shards(tmp_path):
                       progress="none"))
         sharded.update(voices_of(tmp_path / "sharded" / f"part-{i:05d}-of-00002"))
     assert sharded == once
+    # A ray-run actor's engines (called in process here, without Ray) give each id the same voice.
+    from cosybatch.corpus import Corpus
+    from cosybatch.run.ray import SynthWorker
+
+    (tmp_path / "ray" / ".cosybatch").mkdir(parents=True)
+    actor = SynthWorker(RunConfig(corpus=corpus, out=tmp_path / "ray", voice_pool=pool), "cpu")
+    made = actor.process(list(Corpus(corpus))[::-1])["items"]  # in another order
+    assert {item["id"]: item["voice"] for item in made} == once
     manifest = pq.read_table(whole / "manifest.parquet").to_pylist()
     assert {r["id"]: r["voice"] for r in manifest} == once
     fingerprint = json.loads((whole / ".cosybatch" / "job.json").read_text())["fingerprint"]
@@ -324,3 +332,33 @@ def test_a_bad_language_value_is_a_bad_row(tmp_path):
     corpus = short_corpus(tmp_path / "c.jsonl", 2, language=["en", "not a code"])
     rows = list(Corpus(corpus))
     assert rows[0].language == "en" and isinstance(rows[1], BadRow) and "not a language code" in rows[1].reason
+
+
+def test_a_cosyvoice_pool_of_sft_speakers_and_prompts_with_a_speed_range(cosyvoice_dir, tmp_path):
+    """CosyVoice (the tiny random-weight model): a pool of its SFT speakers and a zero-shot prompt
+    (wav + txt) outside the corpus folder (pool paths come from the command line), speed drawn per row."""
+    import soundfile as sf
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    t = np.linspace(0, 1.5, 24000, endpoint=False)
+    sf.write(prompts / "p.wav", (0.3 * np.sin(2 * np.pi * (180 + 60 * t) * t)).astype("float32"), 16000)
+    (prompts / "p.txt").write_text("A short prompt.")
+    (tmp_path / "corpus").mkdir()
+    corpus = short_corpus(tmp_path / "corpus" / "c.jsonl", 6)
+    out = tmp_path / "out"
+    result = run(RunConfig(corpus=corpus, out=out, engine="cosyvoice", voice_pool=f"alice,bob,{prompts}",
+                           engine_options={"model": str(cosyvoice_dir), "speed": "0.9:1.1"}, progress="none",
+                           qc="off"))
+    assert result.exit_code == 0
+    metas = [i["meta"] for i in read_output(out).values()]
+    assert len(metas) == 6
+    for meta in metas:
+        assert 0.9 <= meta["prosody"]["speed"] <= 1.1 and meta["settings"]["speed"] == [0.9, 1.1]
+        if meta["voice"].startswith("prompt:"):
+            assert meta["prompt"] == str(prompts / "p.wav")
+        else:
+            assert meta["voice"] in ("spk:alice", "spk:bob") and "prompt" not in meta
+    with pytest.raises(UsageError, match="without '#'"):
+        RunConfig(corpus=corpus, out=out, engine="cosyvoice", voice_pool="#alice",
+                  engine_options={"model": str(cosyvoice_dir)})
