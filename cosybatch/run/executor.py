@@ -264,7 +264,8 @@ class EngineSet:
                 # A NUL cannot be in a path or a name: the OS refuses it with a ValueError that would end the job.
                 raise RowRejected(f"{column} {value!r} holds a NUL byte; a {column} is a name or a path without one")
         own = row.voice is not None or row.prompt_wav is not None
-        pool, by_language, index = None, False, None
+        # A retake's entry passed the language check at its first take (or was routed by language).
+        pool, by_language, index = None, entry is not None, None
         if not own and entry is None and self.router.active:
             try:
                 pool, by_language = self.router.pool_for(row.language)

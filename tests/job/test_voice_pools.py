@@ -362,3 +362,24 @@ def test_a_cosyvoice_pool_of_sft_speakers_and_prompts_with_a_speed_range(cosyvoi
     with pytest.raises(UsageError, match="without '#'"):
         RunConfig(corpus=corpus, out=out, engine="cosyvoice", voice_pool="#alice",
                   engine_options={"model": str(cosyvoice_dir)})
+
+
+def test_a_repair_re_records_pool_rows_with_their_voice_and_language(tmp_path):
+    """The journal lost its last line: the repair adopts the last shard's items from their KEY.json
+    (their pool voice found among the pool's engines) and the manifest keeps their language."""
+    voices = voice_copies(tmp_path / "voices")
+    corpus = short_corpus(tmp_path / "c.jsonl", 6, language=["en"] * 6)
+    out = tmp_path / "out"
+    cfg = RunConfig(corpus=corpus, out=out, voice_pool=f"{voices}/a.onnx,{voices}/b.onnx", shard_max_items=3,
+                    progress="none")
+    run(cfg)
+    before = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
+    path = out / ".cosybatch" / "journal.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    last_items = max(i for i, line in enumerate(lines) if json.loads(line)["t"] == "items")
+    path.write_bytes(b"".join(lines[:last_items]))
+    result = run(cfg)
+    assert result.status == "complete" and result.stats["items_done"] == 0  # adopted, not made again
+    after = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
+    assert {k: (r["voice"], r["language"]) for k, r in after.items()} == \
+        {k: (r["voice"], r["language"]) for k, r in before.items()}
