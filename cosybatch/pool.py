@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -68,10 +68,16 @@ def check_language(value: str) -> Optional[str]:
 # -- parsing ----------------------------------------------------------------------------------
 def parse_pool(value: Any, flag: str = "--voice-pool") -> tuple[PoolEntry, ...]:
     """A pool from the command line ("a,b:2") or a job spec (a list of strings and tables
-    {voice, speaker, prompt_wav, prompt_text, weight}); folders are expanded here."""
-    if value is None or value == "" or value == ():
+    {voice, speaker, prompt_wav, prompt_text, weight}, or a table ENTRY = WEIGHT); folders are
+    expanded here."""
+    if value is None or value == "" or value == () or value == {}:
         return ()
-    if isinstance(value, str):
+    if isinstance(value, Mapping):  # [voice_pool] a = 2: each key an entry string, its weight
+        items = []
+        for key, weight in value.items():
+            scale = _weight(weight, flag, {key: weight})
+            items += [replace(e, weight=e.weight * scale) for e in _entries(str(key), flag)]
+    elif isinstance(value, str):
         items: Sequence = [part for part in value.split(",") if part.strip()]
     elif isinstance(value, (list, tuple)):
         items = value

@@ -62,6 +62,7 @@ def test_pool_specs_parse_weights_speakers_and_folders(tmp_path):
     # A job spec's list, with tables.
     assert parse_pool(["x", {"voice": "y", "speaker": 3, "weight": 2}]) == (PoolEntry("x"),
                                                                            PoolEntry("y", "3", weight=2))
+    assert parse_pool({"x": 2, "#1": 1}) == (PoolEntry("x", weight=2.0), PoolEntry(None, "1"))  # a spec's table
     assert parse_voice_map("en=a|b, de-DE=c") == {"en": (PoolEntry("a"), PoolEntry("b")), "de-de": (PoolEntry("c"),)}
     assert parse_voice_map({"en": ["a", "b"]}) == {"en": (PoolEntry("a"), PoolEntry("b"))}
     for bad, says in (("a:0", "weight"), ("#", "no speaker"), (str(tmp_path), "holds no voices"),
