@@ -80,7 +80,9 @@ ENGINE_OPTION_ALIASES = _engine_aliases()
 # RunConfig fields the command line spells differently; every other field is `--field-name`,
 # with its type, default and docstring taken from RunConfig itself.
 FROM_OTHER_FLAGS = ("corpus", "shard_index", "shard_count", "max_runtime", "shard_max_bytes", "export",
-                    "engine_options", "qc_limits")
+                    "engine_options", "qc_limits", "voice_pool", "voice_map")
+# Options a job spec may give as a list or a table, handed to RunConfig as they are (it parses them).
+SPEC_STRUCTURES = ("voice_pool", "voice_map")
 FLAG_DECLS = {"out": ("--out", "-o"), "restart": ("--restart",), "export_copy": ("--export-copy",),
               "allow_corpus_change": ("--allow-corpus-change",)}
 HELP_SUFFIX = {"out": " [default: out/CORPUS-STEM]"}
@@ -88,7 +90,8 @@ HELP_SUFFIX = {"out": " [default: out/CORPUS-STEM]"}
 INPUT, ENGINE, BATCHING, OUTPUT, QUALITY, OPERATIONS = "Input", "Engine", "Batching", "Output", "Quality", "Operations"
 PANELS = {
     INPUT: ("job", "format", "id_col", "text_col", "voice_col", "limit", "max_chars", "allow_corpus_change"),
-    ENGINE: ("engine", "voice", "engine_opt", "device", "memory_fraction", "threads", "seed"),
+    ENGINE: ("engine", "voice", "voice_pool", "voice_pool_mode", "voice_map", "engine_opt", "device",
+             "memory_fraction", "threads", "seed"),
     BATCHING: ("batch_size", "batch_budget", "workers", "window"),
     OUTPUT: ("out", "sentence_silence", "normalize", "shard_max_items", "shard_max_mb", "export", "export_copy",
              "restart"),
@@ -145,6 +148,10 @@ def _run_parameters() -> list[inspect.Parameter]:
         _option("shard_max_mb", float, 256.0, "Close a shard once it reaches this many MiB."),
         _option("export", Optional[str], None, "Comma-separated dataset formats to write at the end: hf, nemo, "
                 "lhotse."),
+        _option("voice_pool", Optional[str], None, D["voice_pool"] + " A job spec may give a list (of strings or "
+                "tables {voice, speaker, prompt_wav, prompt_text, weight}).", metavar="SPEC"),
+        _option("voice_map", Optional[str], None, D["voice_map"] + " Example: en=VOICE,de=VOICE|VOICE; a job spec's "
+                "[voice_map] table.", metavar="LANG=VOICE,..."),
         _option("check", bool, False, "Check the options, job spec, corpus columns and voice, print the resolved "
                 "settings as JSON, and exit without synthesising.", ("--check",)),
         _option("plan_only", bool, False, "As --check, then read the whole corpus, prepare every row as the run "
@@ -271,6 +278,9 @@ def _spec_values(ctx: typer.Context, job: Path) -> dict:
             continue  # a flag on the command line overrides the spec
         if key == "export" and isinstance(value, list):
             value = ",".join(map(str, value))
+        if key in SPEC_STRUCTURES and isinstance(value, (list, dict)):
+            values[key] = value  # RunConfig parses and checks it
+            continue
         values[key] = _typed(job, key, value, hints[key])
     if spec_options:
         values["engine_options"] = spec_options
@@ -337,13 +347,16 @@ def _build_config(v: dict) -> RunConfig:
         raise UsageError(f"--shard-max-mb must be a finite number > 0 (got {shard_max_mb})")
     shard_max_bytes = max(1, int(shard_max_mb * 1024 * 1024))
     out = v.pop("out") or Path("out") / _stem(v["corpus"])
-    return RunConfig(**v, out=out, shard_index=shard_index, shard_count=shard_count, max_runtime=max_runtime,
+    voices = {name: v.pop(name) for name in SPEC_STRUCTURES if name in v}
+    voices = {name: value for name, value in voices.items() if value is not None}
+    return RunConfig(**v, **voices, out=out, shard_index=shard_index, shard_count=shard_count, max_runtime=max_runtime,
                      export=export, shard_max_bytes=shard_max_bytes, engine_options=options)
 
 
 # The `run` options ray-run takes on its command line (a job spec may hold any; ray-run refuses
 # those it cannot honour), declared once: in RunConfig.
-RAY_RUN_SHARED = ("corpus", "out", "voice", "engine", "engine_opt", "batch_size", "seed", "restart", "progress", "qc",
+RAY_RUN_SHARED = ("corpus", "out", "voice", "voice_pool", "voice_map", "engine", "engine_opt", "batch_size", "seed",
+                  "restart", "progress", "qc",
                   "qc_asr_rows", "qc_max_cer", "qc_retries", "qc_on_fail")
 RAY_FLAGS = ("address", "actors", "num_gpus", "num_cpus", "rows_per_task")
 

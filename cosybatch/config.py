@@ -36,6 +36,14 @@ class RunConfig:
     """Engine name: a built-in or an installed plugin (`cosybatch engines` lists them)."""
     voice: Optional[str] = None
     """Default voice: whatever the engine takes as a voice (a voice name, a model path, a speaker)."""
+    voice_pool: tuple = ()
+    """Voices for rows without their own (docs/input.md "Voice pools"): VOICE, VOICE#SPEAKER, a prompt .wav or
+    a folder of voices or prompts, each optionally :WEIGHT, comma-separated."""
+    voice_pool_mode: str = "hash"
+    """How a row gets a pool voice: hash (a seeded hash of its id: the same under resume, --shard, ray-run) or
+    balanced (the voice with the least predicted audio so far, in file order)."""
+    voice_map: dict = field(default_factory=dict)
+    """Voices by the rows' language column: LANGUAGE=VOICE (or VOICE|VOICE, a pool), comma-separated."""
     engine_options: dict = field(default_factory=dict)
     """The engine's own settings, KEY -> value, checked against its options (--engine-opt KEY=VALUE)."""
     memory_fraction: float = 0.9
@@ -140,10 +148,35 @@ class RunConfig:
         if self.max_runtime is not None and not 0 < self.max_runtime < float("inf"):
             raise UsageError("--max-runtime must be a finite number of seconds > 0")
         self.qc_settings()  # mode, rows, limits are valid
+        self._check_voices()
         from .gpu import validate_fraction
 
         validate_fraction(self.memory_fraction)
         self.engine_settings()  # the engine exists and its options are valid
+
+    def _check_voices(self) -> None:
+        """Parse --voice-pool and --voice-map (a string or a job spec's list / table) and check
+        that the engine can speak what they name."""
+        from .pool import MODES, parse_pool, parse_voice_map
+
+        if self.voice_pool_mode not in MODES:
+            raise UsageError(f"--voice-pool-mode must be {' or '.join(MODES)} (got {self.voice_pool_mode!r})")
+        object.__setattr__(self, "voice_pool", parse_pool(self.voice_pool))
+        object.__setattr__(self, "voice_map", parse_voice_map(self.voice_map))
+        cls = self.engine_class()
+        for entry in (*self.voice_pool, *(e for pool in self.voice_map.values() for e in pool)):
+            if entry.prompt_wav is not None and not cls.zero_shot:
+                raise UsageError(f"--voice-pool: engine {cls.name!r} takes no prompt audio "
+                                 f"({entry.prompt_wav}); use an engine that clones voices, or name voices")
+            if entry.speaker is not None and cls.multi_voice:
+                raise UsageError(f"--voice-pool: engine {cls.name!r} names its speakers as voices; write "
+                                 f"{entry.speaker!r} without '#'")
+
+    def voice_router(self):
+        """The job's pools (cosybatch.pool.VoiceRouter)."""
+        from .pool import VoiceRouter
+
+        return VoiceRouter(self.voice_pool, self.voice_map, self.voice_pool_mode, self.seed)
 
     def failure_limit(self) -> tuple[Optional[int], Optional[float]]:
         """(count, rate) from max_failures; at most one is set."""

@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 from .cache import file_sha256
 from .errors import CorpusError
+from .pool import check_language
 
 PARQUET_BATCH_ROWS = 4096
 # How many JSONL objects to look at before deciding a text field name is wrong for the whole file.
@@ -39,6 +40,7 @@ class Row:
     prompt_wav: Optional[str] = None  # zero-shot prompt audio (engines that clone voices)
     prompt_text: Optional[str] = None  # what the prompt audio says
     instruct: Optional[str] = None  # a natural-language instruction (emotion, speed, dialect...)
+    language: Optional[str] = None  # the row's language code (en, de-DE), for --voice-map and the manifest
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Columns:
     prompt_wav: str = "prompt_wav"
     prompt_text: str = "prompt_text"
     instruct: str = "instruct"
+    language: str = "language"
     voice_fallback: Optional[str] = None
 
     def with_voice(self, names) -> Columns:
@@ -136,7 +139,7 @@ class Corpus:
             )
         self.columns = c = c.with_voice(names)
         self._has_voice = c.voice in names
-        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text, c.instruct) if n in names)
+        self._prompt_cols = tuple(n for n in (c.prompt_wav, c.prompt_text, c.instruct, c.language) if n in names)
         if c.voice_required and not self._has_voice:
             raise CorpusError(
                 f"{self.path}: no voice column {c.voice!r}{where}; columns found: {names}. "
@@ -214,7 +217,7 @@ class Corpus:
         with_text = 0
         with_id = 0
         with_voice = 0
-        with_prompt = {c.prompt_wav: 0, c.prompt_text: 0, c.instruct: 0}
+        with_prompt = {c.prompt_wav: 0, c.prompt_text: 0, c.instruct: 0, c.language: 0}
         try:
             for _, line in _jsonl_lines(self.path):
                 if objects >= JSONL_SNIFF_ROWS:
@@ -374,9 +377,9 @@ class Corpus:
             return BadRow(index, _id_or_none(raw_id), f"line {index + 1} has no {c.text!r} field")
         voice = obj.get(c.voice) if self._has_voice else None
         prompts = {name: obj.get(name) for name in self._prompt_cols}
-        # instruct is read on every line: a field first seen after the sniffed lines still counts.
+        # instruct and language are read on every line: a field first seen after the sniffed lines still counts.
         return _make_row(index, raw_id, obj[c.text], voice, prompts.get(c.prompt_wav), prompts.get(c.prompt_text),
-                         obj.get(c.instruct))
+                         obj.get(c.instruct), obj.get(c.language))
 
     def rows_from_columns(self, data: dict, first_index: int) -> Iterator[Union[Row, BadRow]]:
         """Rows from a column batch {name: list} of a Parquet corpus, numbered from first_index."""
@@ -387,13 +390,15 @@ class Corpus:
         wavs = data.get(c.prompt_wav) if c.prompt_wav in self._prompt_cols else None
         prompt_texts = data.get(c.prompt_text) if c.prompt_text in self._prompt_cols else None
         instructs = data.get(c.instruct) if c.instruct in self._prompt_cols else None
+        languages = data.get(c.language) if c.language in self._prompt_cols else None
         for k, text in enumerate(texts):
             index = first_index + k
             raw_id = ids[k] if ids is not None else index
             voice = voices[k] if voices is not None else None
             yield _make_row(index, raw_id, text, voice, wavs[k] if wavs is not None else None,
                             prompt_texts[k] if prompt_texts is not None else None,
-                            instructs[k] if instructs is not None else None)
+                            instructs[k] if instructs is not None else None,
+                            languages[k] if languages is not None else None)
 
     @property
     def read_columns(self) -> list[str]:
@@ -448,7 +453,8 @@ def _encodable(value: str) -> bool:
     return True
 
 
-def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None, instruct=None) -> Union[Row, BadRow]:
+def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None, instruct=None,
+              language=None) -> Union[Row, BadRow]:
     if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
         return BadRow(index, None, f"row {index} has an empty id")
     if isinstance(raw_id, (dict, list, float)):
@@ -467,7 +473,8 @@ def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None
         return BadRow(index, row_id, f"voice is a {type(voice).__name__}, expected a string")
     if voice is not None and not _encodable(voice):
         return BadRow(index, row_id, f"voice is not valid Unicode: {voice!r}")
-    for name, value in (("prompt_wav", prompt_wav), ("prompt_text", prompt_text), ("instruct", instruct)):
+    for name, value in (("prompt_wav", prompt_wav), ("prompt_text", prompt_text), ("instruct", instruct),
+                        ("language", language)):
         if value is not None and not isinstance(value, str):
             return BadRow(index, row_id, f"{name} is a {type(value).__name__}, expected a string")
         if value is not None and not _encodable(value):
@@ -476,7 +483,12 @@ def _make_row(index: int, raw_id, text, voice, prompt_wav=None, prompt_text=None
         prompt_text = clean_text(prompt_text)
     if instruct is not None:
         instruct = clean_text(instruct)
+    if language is not None:
+        language = clean_text(language)
+        reason = check_language(language) if language else None
+        if reason:
+            return BadRow(index, row_id, f"{reason}; fix the language column")
     if prompt_text and not prompt_wav:
         return BadRow(index, row_id, "prompt_text without prompt_wav; give the prompt audio too, or drop the text")
     return Row(index=index, id=row_id, text=text, voice=voice or None, prompt_wav=prompt_wav or None,
-               prompt_text=prompt_text or None, instruct=instruct or None)
+               prompt_text=prompt_text or None, instruct=instruct or None, language=language or None)

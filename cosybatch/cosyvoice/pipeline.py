@@ -41,6 +41,7 @@ class Segment:
     seed: int
     lm_speech: bool = False  # the LM reads the voice's prompt speech tokens (zero-shot)
     lm_embedding: bool = True  # the LM reads the speaker embedding (CosyVoice-300M, not in instruct mode)
+    speed: float = 1.0  # the mel stretched to 1/speed of its frames before the vocoder (upstream's `speed`)
 
 
 class Token2Wav:
@@ -134,6 +135,10 @@ class Pipeline:
         frames = {i: mel_frames(len(t) + (0 if s.voice.prompt_tokens is None else len(s.voice.prompt_tokens)))
                   for i, (s, t) in enumerate(zip(segs, tokens, strict=True)) if t}
         mels = self.flow(items, seeds, frames)
+        for i, mel in mels.items():
+            if segs[i].speed != 1.0:  # as upstream's token2wav: the mel resampled in time, linearly
+                size = max(1, int(mel.size(1) / segs[i].speed))
+                mels[i] = torch.nn.functional.interpolate(mel[None], size=size, mode="linear")[0]
         audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
         for i, wav in self.vocode(mels, seeds).items():
             audio[i] = wav

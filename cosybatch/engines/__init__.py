@@ -18,11 +18,13 @@ from .base import (
     Piece,
     Prepared,
     RowRejected,
+    ScaleRange,
     Synthesised,
     VoiceRequest,
     engine_check,
     engine_describe,
     item_seed,
+    row_uniform,
 )
 from .registry import (
     DEFAULT_ENGINE,
@@ -38,7 +40,7 @@ from .registry import (
 
 __all__ = [
     "DEFAULT_ENGINE", "ENTRY_POINT_GROUP", "Alias", "Engine", "EngineOptions", "MemoryPlan", "NoOptions", "Piece",
-    "Prepared", "RowRejected", "Synthesised", "VoiceRequest", "engine_aliases", "engine_check", "engine_class",
-    "engine_describe", "engine_names", "item_seed", "open_engine", "parse_engine_options", "quantize",
-    "register_engine",
+    "Prepared", "RowRejected", "ScaleRange", "Synthesised", "VoiceRequest", "engine_aliases", "engine_check",
+    "engine_class", "engine_describe", "engine_names", "item_seed", "open_engine", "parse_engine_options",
+    "quantize", "register_engine", "row_uniform",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ class Prepared:
     text: str  # the text actually spoken, after the engine's own normalisation
     voice: Optional[str] = None  # the row's voice for the manifest, when it is not the engine's voice_name
     instruct: Optional[str] = None  # the instruction the row is spoken with (the row's or the job's default)
+    meta: Optional[dict] = None  # per-row values the engine drew (a scale drawn from a range), for KEY.json
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class VoiceRequest:
     prompt_text: Optional[str] = None
     from_row: bool = False  # named by the corpus (paths then resolve against the corpus folder)
     instruct: Optional[str] = None  # the row's instruction (engines with ``instruct``)
+    speaker: Optional[str] = None  # a speaker of a multi-speaker voice (a voice pool's ``VOICE#SPEAKER``)
+    pooled: bool = False  # chosen by the job from its voice pool (trusted like the command line, not a row)
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,57 @@ def item_seed(job_seed: int, item_id: str, part: int, attempt: int = 0) -> int:
     key = f"{job_seed}\x00{item_id}\x00{part}" + (f"\x00{attempt}" if attempt else "")
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def row_uniform(job_seed: int, item_id: str, attempt: int, what: str) -> float:
+    """A uniform draw in [0, 1) for one setting of one row (``what``: "length_scale"), from the
+    row's seed `item_seed(job_seed, id, 0, attempt)`: the same in any batch, worker or rerun, new
+    for each take of the quality gate."""
+    key = f"{item_seed(job_seed, item_id, 0, attempt)}\x00{what}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+@dataclass(frozen=True)
+class ScaleRange:
+    """A synthesis setting given as one value (``1.1``) or a range (``0.9:1.2``) drawn per row."""
+
+    low: float
+    high: float
+
+    @classmethod
+    def parse(cls, value: Any, flag: str, minimum: float = 0.0, strict: bool = False) -> Optional[ScaleRange]:
+        """None, a number or "LOW:HIGH" -> a range (None stays None). Values below `minimum` (or at
+        it, with `strict`) raise UsageError naming `flag`."""
+        from ..errors import UsageError
+
+        if value is None:
+            return None
+        text = str(value).strip()
+        low, sep, high = text.partition(":")
+        try:
+            lo, hi = float(low), float(high if sep else low)
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: give a number (1.1) or a range LOW:HIGH (0.9:1.2)") from None
+        bad = (lambda v: v <= minimum) if strict else (lambda v: v < minimum)
+        if not (math.isfinite(lo) and math.isfinite(hi)) or bad(lo) or bad(hi) or hi < lo:
+            bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+            raise UsageError(f"{flag} {text!r}: values must be finite and {bound}, LOW <= HIGH")
+        return cls(lo, hi)
+
+    @property
+    def fixed(self) -> bool:
+        return self.low == self.high
+
+    def describe(self):
+        """For fingerprints: the value, or [low, high]."""
+        return self.low if self.fixed else [self.low, self.high]
+
+    def draw(self, job_seed: int, item_id: str, attempt: int, what: str) -> float:
+        """This row's value: uniform in [low, high], rounded to 4 decimals (what is recorded is what is used)."""
+        if self.fixed:
+            return self.low
+        return round(self.low + (self.high - self.low) * row_uniform(job_seed, item_id, attempt, what), 4)
 
 
 def _shown(value: Any) -> str:

@@ -4,12 +4,13 @@ rendering a finished row into tar members and a manifest record."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -20,6 +21,7 @@ from ..corpus import Row
 from ..engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
 from ..errors import CosybatchError
 from ..plan import Batch, BudgetGuard, Unit, plan_batches
+from ..pool import PoolEntry, language_family
 from ..qc.gate import qc_columns
 from ..store.shards import item_key, wav_bytes, wav_checksum
 
@@ -38,6 +40,8 @@ class PendingRow:
     instruct: Optional[str] = None  # the instruction it is spoken with, for the manifest
     lm: Optional[list] = None  # per piece, what an LM-based engine said of it (Synthesised.lm)
     texts: Optional[list] = None  # per piece, what it says (Piece.text); None: the engine does not tell
+    entry: Optional[PoolEntry] = None  # the pool's voice the job chose for it (its retakes keep it)
+    meta: Optional[dict] = None  # KEY.json fields of this row: speaker, prompt, language, prosody
 
 
 @dataclass
@@ -114,11 +118,14 @@ def segment_times(parts: list, texts: Optional[list], sample_rate: int, cfg: Run
 
 def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: RunConfig,
                 voice: Optional[str] = None, instruct: Optional[str] = None,
-                qc: Optional[dict] = None, segments: Optional[list] = None) -> tuple[str, dict, dict]:
+                qc: Optional[dict] = None, extra: Optional[dict] = None,
+                segments: Optional[list] = None) -> tuple[str, dict, dict]:
     """A finished row's clip (from `assemble_audio`) -> (shard key, tar members {ext: bytes},
     manifest record). `voice` is the row's own voice when the engine serves several (fixed when
-    the row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `segments`
-    where each piece is in the clip (`segment_times`, KEY.json "segments")."""
+    the row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `extra` the
+    row's speaker, prompt and language (KEY.json fields and manifest columns of the same names)
+    and its drawn settings (KEY.json "prosody"); `segments` where each piece is in the clip
+    (`segment_times`, KEY.json "segments")."""
     key = item_key(row.id)
     voice = voice or engine.voice_name
     meta = {
@@ -130,6 +137,12 @@ def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: Run
     }
     if instruct is not None:
         meta["instruct"] = instruct
+    extra = extra or {}
+    for name in RECORDED:
+        if extra.get(name) is not None:
+            meta[name] = extra[name]
+    if extra.get("prosody"):
+        meta["prosody"] = extra["prosody"]
     if text != row.text:
         meta["source_text"] = row.text
     if qc is not None:
@@ -147,16 +160,29 @@ def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: Run
               "source": meta["source"], "wav_sha256": meta["wav_sha256"]}
     if instruct is not None:
         record["instruct"] = instruct
+    for name in RECORDED:
+        if name in meta:
+            record[name] = meta[name]
     if qc is not None:
         record.update(qc_columns(qc))
     return key, members, record
 
 
+RECORDED = ("speaker", "prompt", "language")  # KEY.json fields that are manifest columns too, when set
+
+
+def row_extra(pending: PendingRow) -> dict:
+    """What `render_item` records of a finished row besides its voice and instruction."""
+    return pending.meta or {}
+
+
 def source_hash(row: Row) -> str:
     """What a row asked for (text, voice, prompt): a later corpus whose row differs is reported."""
     fields = [row.text, row.voice, row.prompt_wav, row.prompt_text]
-    if row.instruct is not None:  # only then, so earlier manifests' hashes stay valid
+    if row.instruct is not None or row.language is not None:  # only then: earlier hashes stay valid
         fields.append(row.instruct)
+    if row.language is not None:
+        fields.append(row.language)
     fields = json.dumps(fields, ensure_ascii=False)
     return hashlib.blake2b(fields.encode(), digest_size=8).hexdigest()
 
@@ -229,6 +255,7 @@ class EngineSet:
         self.cls = cfg.engine_class()
         self.by_voice: dict[str, Engine] = {}
         self.errors: dict[str, str] = {}
+        self.router = cfg.voice_router()
 
     def get(self, voice: Optional[str], from_row: bool) -> Engine:
         if self.cls.multi_voice and "" in self.by_voice:
@@ -248,30 +275,89 @@ class EngineSet:
         self.by_voice[key] = engine
         return engine
 
-    def prepare(self, row: Row, attempt: int = 0) -> tuple[str, Prepared]:
-        """Open (or reuse) the engine for the row's voice and prepare the row; returns the batch
-        group (rows of one group may share a batch) and the prepared row. Raises RowRejected.
-        `attempt` > 0: the quality gate's next take of the row (new seeds)."""
+    def prepare(self, row: Row, attempt: int = 0,
+                entry: Optional[PoolEntry] = None) -> tuple[str, Prepared, Optional[PoolEntry]]:
+        """Choose the row's voice (its own; else by its language from --voice-map, or from
+        --voice-pool; else --voice), open (or reuse) its engine and prepare the row. Returns the batch
+        group (rows of one group may share a batch), the prepared row (its `meta`: what KEY.json
+        records of it) and the pool entry chosen (None: none). Raises RowRejected. `attempt` > 0:
+        the quality gate's next take of the row (new seeds), with the `entry` its first take had."""
         for column, value in (("voice", row.voice), ("prompt_wav", row.prompt_wav)):
             if value is not None and "\x00" in value:
                 # A NUL cannot be in a path or a name: the OS refuses it with a ValueError that would end the job.
                 raise RowRejected(f"{column} {value!r} holds a NUL byte; a {column} is a name or a path without one")
-        voice = row.voice or self.cfg.voice
-        engine = self.get(voice, from_row=row.voice is not None)
-        from_row = row.voice is not None or row.prompt_wav is not None
-        request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, from_row, row.instruct)
+        own = row.voice is not None or row.prompt_wav is not None
+        # A retake's entry passed the language check at its first take (or was routed by language).
+        pool, by_language, index = None, entry is not None, None
+        if not own and entry is None and self.router.active:
+            try:
+                pool, by_language = self.router.pool_for(row.language)
+            except LookupError as exc:
+                raise RowRejected(str(exc)) from None
+            if pool is not None:
+                index = self.router.pick(pool, row.id)
+                entry = pool.entries[index]
+        if entry is not None:
+            voice = entry.voice or self.cfg.voice
+            engine = self.get(voice, from_row=False)
+            request = VoiceRequest(voice, entry.prompt_wav, entry.prompt_text, False, row.instruct,
+                                   speaker=entry.speaker, pooled=True)
+        else:
+            voice = row.voice or self.cfg.voice
+            engine = self.get(voice, from_row=row.voice is not None)
+            request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, own, row.instruct)
         if row.prompt_wav is not None and not self.cls.zero_shot:
             raise RowRejected(f"engine {self.cls.name!r} takes no prompt audio; drop the prompt_wav column "
                               "or choose an engine that clones voices")
         if row.instruct is not None and not self.cls.takes_instruct:
             raise RowRejected(f"engine {self.cls.name!r} cannot follow an instruction; drop the instruct column "
                               "or use --engine cosyvoice with a model that takes instructions")
+        speaks = getattr(engine, "language", None)
+        if row.language is not None and not own and not by_language and speaks \
+                and language_family(row.language) != language_family(speaks):
+            raise RowRejected(f"the row's language is {row.language!r} but voice {engine.voice_name!r} speaks "
+                              f"{speaks!r}; route it with --voice-map {row.language}=VOICE")
         prepared = (engine.prepare(row.text, row.id, request, attempt=attempt) if attempt
                     else engine.prepare(row.text, row.id, request))
         if not prepared.pieces:
             raise RowRejected(f"engine {self.cls.name!r} cut the row into no pieces; an engine rejects a row it "
                               "cannot speak")
-        return ("" if self.cls.multi_voice else voice or ""), prepared
+        if index is not None and self.router.mode == "balanced":
+            pool.add(index, sum(piece.cost for piece in prepared.pieces))
+        meta = {"language": row.language, "prosody": prepared.meta}
+        if entry is not None:
+            meta.update(speaker=entry.speaker, prompt=entry.prompt_wav)
+        return ("" if self.cls.multi_voice else voice or ""), replace(prepared, meta=meta), entry
+
+    def observe(self, row: Row) -> None:
+        """A row the run does not make (committed before): in balanced mode its voice's predicted
+        audio is counted again, so that the rows after it get the voices they would have got in the
+        run that was interrupted (the same rows read in the same order; rows that failed are not
+        counted again, so after failures the rest may be spread otherwise)."""
+        if self.router.mode != "balanced" or not self.router.active or row.voice is not None \
+                or row.prompt_wav is not None:
+            return
+        with contextlib.suppress(RowRejected):  # it was rejected then too: it counted nothing
+            self.prepare(row)
+
+    def candidate_engines(self, row: Row) -> list[Engine]:
+        """The engines a committed row without its own voice may have been made with (its pool's
+        voices, or the job's voice): for adopting items the journal does not list."""
+        voices = {self.cfg.voice}
+        if self.router.active and row.voice is None and row.prompt_wav is None:
+            try:
+                pool, _ = self.router.pool_for(row.language)
+            except LookupError:
+                return []
+            if pool is not None:
+                voices = {e.voice or self.cfg.voice for e in pool.entries}
+        found = []
+        for voice in sorted(voices, key=lambda v: v or ""):
+            try:
+                found.append(self.get(voice, from_row=False))
+            except (RowRejected, CosybatchError):
+                continue
+        return found
 
 
 @dataclass
@@ -305,12 +391,13 @@ class RowAssembler:
         self.lock = threading.Lock()
         self._next_key = 0
 
-    def add(self, row: Row, prepared: Prepared, group: str) -> list[Unit]:
+    def add(self, row: Row, prepared: Prepared, group: str, entry: Optional[PoolEntry] = None) -> list[Unit]:
         key, self._next_key = self._next_key, self._next_key + 1
         with self.lock:
             self.rows[key] = PendingRow(row, prepared.text, group, [None] * len(prepared.pieces),
                                         len(prepared.pieces), label=prepared.voice, instruct=prepared.instruct,
-                                        texts=[piece.text for piece in prepared.pieces])
+                                        texts=[piece.text for piece in prepared.pieces], entry=entry,
+                                        meta=prepared.meta)
         return [Unit(key, part, piece.cost, group, piece.payload) for part, piece in enumerate(prepared.pieces)]
 
     def take(self, outcome: Outcome) -> list[PendingRow]:

@@ -33,6 +33,7 @@ from .executor import (
     RowAssembler,
     assemble_audio,
     render_item,
+    row_extra,
     run_batch,
     segment_times,
 )
@@ -155,7 +156,7 @@ class RowFinisher:
                      "; ".join(f"{t.row_pending.row.id!r}: {t.takes[-1].record(self.settings.limits).get('reason')}"
                                for t in again[:3]) + (" ..." if len(again) > 3 else ""))
             self.on_retry(len(again))
-            remade = self._again([t.row_pending.row for t in again], attempt)
+            remade = self._again([t.row_pending for t in again], attempt)
             active, pending = [], []
             for track in again:
                 redone = remade.get(track.row_pending.row.index)
@@ -181,7 +182,8 @@ class RowFinisher:
                 continue
             engine = self._engine(p)
             segments = segment_times(p.parts, p.texts, engine.sample_rate, self.cfg)
-            items.append(render_item(p.row, p.text, audio, engine, self.cfg, p.label, p.instruct, segments=segments))
+            items.append(render_item(p.row, p.text, audio, engine, self.cfg, p.label, p.instruct,
+                                     extra=row_extra(p), segments=segments))
         return items, failures
 
     def _engine(self, p: PendingRow):
@@ -209,7 +211,7 @@ class RowFinisher:
             self.counts.first_take(raised)
             if not any(f in HARD for f in raised):
                 self.history.add(voice, signals["s_per_unit"])
-        language = getattr(engine, "language", None) or text_language(p.text)
+        language = getattr(engine, "language", None) or p.row.language or text_language(p.text)
         return Take(p, attempt, audio, Verdict(attempt, signals, raised, lm, z), language=language)
 
     def _wants_asr(self, take: Take) -> bool:
@@ -247,17 +249,20 @@ class RowFinisher:
             return True
         return take.verdict is not None and take.verdict.passed is False
 
-    def _again(self, rows: list, attempt: int) -> dict[int, PendingRow]:
-        """The rows prepared with `attempt` and synthesised again, with the run's batch policy."""
+    def _again(self, pending: list[PendingRow], attempt: int) -> dict[int, PendingRow]:
+        """The rows prepared with `attempt` (in the voice their first take had) and synthesised
+        again, with the run's batch policy."""
         assembler = RowAssembler()
         units = []
-        for row in rows:
+        rows = [p.row for p in pending]
+        for p in pending:
+            row = p.row
             try:
-                group, prepared = self.engines.prepare(row, attempt)
+                group, prepared, entry = self.engines.prepare(row, attempt, p.entry)
             except RowRejected as exc:
                 log.warning("row %d (%r) could not be prepared for take %d: %s", row.index, row.id, attempt + 1, exc)
                 continue
-            units += assembler.add(row, prepared, group)
+            units += assembler.add(row, prepared, group, entry)
         done: list[PendingRow] = []
         t = time.monotonic()
         for batch in self.policy.plan(units):
@@ -301,7 +306,7 @@ class RowFinisher:
         engine = self._engine(p)
         segments = segment_times(p.parts, p.texts, engine.sample_rate, self.cfg)
         items.append(render_item(p.row, p.text, chosen.audio, engine, self.cfg, p.label, p.instruct, qc=qc,
-                                 segments=segments))
+                                 extra=row_extra(p), segments=segments))
 
 
 def _merge_lm(parts: Optional[list]) -> Optional[dict]:

@@ -538,9 +538,21 @@ def check(cfg: RunConfig) -> dict:
     configure_gpu_allocator(cfg)  # as a run does, before the device check may import torch
     check_device(cfg)
     resolved = engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
+    check_pool_voices(cfg)
     model = check_qc(cfg)
     return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
             "voice": resolved.get("voice", resolved), **({"qc_asr_model": str(model)} if model else {})}
+
+
+def check_pool_voices(cfg: RunConfig, device: Optional[str] = None) -> None:
+    """Every voice a pool or the voice map names, checked as --voice is (an engine with one instance
+    per voice: a multi-voice engine's rows fail one by one, with the reason, on a voice it lacks)."""
+    cls = cfg.engine_class()
+    if cls.multi_voice:
+        return
+    entries = (*cfg.voice_pool, *(e for pool in cfg.voice_map.values() for e in pool))
+    for voice in sorted({e.voice for e in entries if e.voice is not None}):
+        engine_check(cls, voice, cfg.engine_options_for(device))
 
 
 def check_qc(cfg: RunConfig) -> Optional[Path]:
@@ -593,6 +605,7 @@ def job_fingerprint(cfg: RunConfig, corpus: Corpus, engine: dict, runner: Option
         "sentence_silence": cfg.sentence_silence,
         "normalize": cfg.normalize,
         "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
+        **({"voices": voices} if (voices := cfg.voice_router().describe()) else {}),
     }
 
 

@@ -32,6 +32,7 @@ from .job import (
     RunResult,
     _output_error,
     check_device,
+    check_pool_voices,
     check_qc,
     configure_gpu_allocator,
     open_transcriber,
@@ -54,6 +55,7 @@ class LocalRunner(Runner):
         # What `run --check` checks, before anything is written: a start that fails here leaves no folder.
         check_device(cfg)
         engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
+        check_pool_voices(cfg)
         self.asr_model = check_qc(cfg)
         return part_config(cfg)
 
@@ -80,13 +82,19 @@ class LocalRunner(Runner):
                 rows.update(_rows_of_this_job(job.corpus, cfg))
             if meta.get("id") not in rows:
                 return "its id is not in this corpus" + (" part" if cfg.shard_count is not None else "")
-            source, voice = rows[meta["id"]]
+            source, row = rows[meta["id"]]
             if "source" not in meta:
                 return "its KEY.json has no source hash (written before cosybatch recorded one), so its row is unknown"
             if meta["source"] != source:
                 return "it was made from a different row (text, voice or prompt)"
             try:
-                engine = self.engines.get(voice or cfg.voice, from_row=voice is not None)
+                if row.voice is not None or row.prompt_wav is not None or not self.engines.router.active:
+                    engine = self.engines.get(row.voice or cfg.voice, from_row=row.voice is not None)
+                else:  # a voice of the pool: the one it names
+                    engine = next((e for e in self.engines.candidate_engines(row)
+                                   if e.voice_name == meta.get("voice")), None)
+                    if engine is None:
+                        return "its voice is none of this job's pool"
             except RowRejected as exc:
                 return f"its row's voice does not load here ({exc})"
             settings = {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence, "normalize": cfg.normalize}
@@ -231,7 +239,7 @@ class LocalRunner(Runner):
 
 
 def _rows_of_this_job(corpus: Corpus, cfg: RunConfig) -> dict:
-    """id -> (source hash, the row's voice) for the rows this job synthesises: within --limit, in
+    """id -> (source hash, the row) for the rows this job synthesises: within --limit, in
     this worker's part (--shard), the first row of a duplicated id."""
     rows: dict = {}
     try:
@@ -242,7 +250,7 @@ def _rows_of_this_job(corpus: Corpus, cfg: RunConfig) -> dict:
                 continue
             if cfg.shard_count is not None and shard_of(row.id, cfg.shard_count) != cfg.shard_index:
                 continue
-            rows[row.id] = (source_hash(row), row.voice)
+            rows[row.id] = (source_hash(row), row)
     except CorpusError:
         pass  # raised after every readable row was yielded: the run reports it; adopt among those
     return rows

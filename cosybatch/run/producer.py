@@ -10,7 +10,7 @@ import time
 from typing import Optional
 
 from ..config import RunConfig
-from ..corpus import Corpus
+from ..corpus import Corpus, Row
 from ..engines import RowRejected
 from ..errors import CorpusError
 from ..plan import Unit
@@ -58,19 +58,21 @@ class Producer:
                 continue  # another worker's row
             admitted = self.gate.admit(row)
             if admitted is None:
+                if isinstance(row, Row) and row.id in self.gate.done_ids and row.index not in self.gate.failed_rows:
+                    self.engines.observe(row)  # balanced voice pools replay what the committed rows counted
                 continue
             if isinstance(admitted, dict):
                 failures.append(admitted)
                 continue
             t = time.monotonic()
             try:
-                group, prepared = self.engines.prepare(row)
+                group, prepared, entry = self.engines.prepare(row)
             except RowRejected as exc:
                 failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
                 prep_s += time.monotonic() - t
                 continue
             prep_s += time.monotonic() - t
-            units.extend(self.assembler.add(row, prepared, group))
+            units.extend(self.assembler.add(row, prepared, group, entry))
             rows_in_window += 1
             if rows_in_window >= window_rows:
                 seq, _ = self._dispatch(units, seq, work)

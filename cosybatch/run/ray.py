@@ -46,9 +46,19 @@ from ..store.checkpoint import (
     write_manifest_table,
 )
 from ..store.shards import ShardWriter
-from .executor import BatchPolicy, EngineSet, RowAssembler, run_batch
+from .executor import RECORDED, BatchPolicy, EngineSet, RowAssembler, run_batch
 from .finish import RowFinisher
-from .job import Job, RowGate, Runner, RunResult, check_qc, configure_gpu_allocator, open_transcriber, run_job
+from .job import (
+    Job,
+    RowGate,
+    Runner,
+    RunResult,
+    check_pool_voices,
+    check_qc,
+    configure_gpu_allocator,
+    open_transcriber,
+    run_job,
+)
 
 log = logging.getLogger("cosybatch")
 
@@ -105,11 +115,11 @@ class SynthWorker:
         units, failures, rendered = [], [], []
         for row in rows:
             try:
-                group, prepared = self.engines.prepare(row)
+                group, prepared, entry = self.engines.prepare(row)
             except RowRejected as exc:
                 failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
                 continue
-            units += assembler.add(row, prepared, group)
+            units += assembler.add(row, prepared, group, entry)
         stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0,
                  "oom_retries": 0}
 
@@ -159,7 +169,7 @@ def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
             items.append({"key": key, "id": meta["id"], "shard": shard.name, "text": meta["text"],
                           "voice": meta["voice"], "duration_s": meta["duration"],
                           "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"],
-                          **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
+                          **{name: meta[name] for name in ("instruct", *RECORDED) if name in meta},
                           **(qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {})})
     failures = []
     for path in sorted((out.state / RAY_FAILURES_DIR).glob("*.jsonl")):
@@ -206,6 +216,9 @@ class RayRunner(Runner):
     def check(self, cfg: RunConfig) -> RunConfig:
         if cfg.shard_count is not None:
             raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
+        if cfg.voice_pool_mode == "balanced" and (cfg.voice_pool or cfg.voice_map):
+            raise UsageError("ray-run cannot balance a voice pool (its actors take rows in no fixed order); use "
+                             "--voice-pool-mode hash, which gives each id the same voice on any actor")
         defaults = RunConfig(corpus=cfg.corpus, out=cfg.out)
         unsupported = [name for name in ("metrics_file", "pushgateway", "metrics_job", "max_runtime",
                                          "shard_max_items", "shard_max_bytes", "workers", "window",
@@ -217,6 +230,7 @@ class RayRunner(Runner):
                              "(--rows-per-task); remove them from the flags or the job spec")
         self.device = "cuda" if self.opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
         engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(self.device))  # a bad voice: exit 2 here
+        check_pool_voices(cfg, self.device)
         self.asr_model = check_qc(cfg)
         return cfg
 

@@ -424,7 +424,9 @@ MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("
 # Columns a manifest has only when some item has the field (so a job without them keeps the schema).
 # wav_sha256: the sha256 of the item's KEY.wav member (hex); items written before it was recorded have none.
 # qc_*: the quality gate's columns (cosybatch.qc.gate.QC_COLUMNS), for items measured by it.
-OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"), ("wav_sha256", "string"), *QC_COLUMNS)
+# speaker, prompt: the voice pool's speaker or prompt a row was given; language: the row's language column.
+OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"), ("wav_sha256", "string"), ("speaker", "string"),
+                             ("prompt", "string"), ("language", "string"), *QC_COLUMNS)
 
 
 def write_manifest_table(root: Path, records) -> int:

@@ -183,12 +183,14 @@ def _write_hf(root: Path, dest: Path) -> None:
     manifest = root / "manifest.parquet"
     names = pq.read_schema(manifest).names if manifest.exists() else []
     with_instruct = "instruct" in names
+    optional = [name for name in ("speaker", "prompt", "language") if name in names]  # voice pools, languages
     with_qc = "qc_flags" in names  # the quality gate's columns, when it measured the clips
     # A worker whose shard of the corpus is empty still gets one (empty) file, so it loads.
     for n, shard in enumerate(paths or [None]):
         rows = {"audio": [], "id": [], "text": [], "duration": [], "sampling_rate": [], "voice": []}
         if with_instruct:
             rows["instruct"] = []
+        rows.update({name: [] for name in optional})
         if with_qc:
             rows.update({name: [] for name, _ in QC_COLUMNS})
         for key, meta, wav in iter_shard(shard) if shard is not None else ():
@@ -200,6 +202,8 @@ def _write_hf(root: Path, dest: Path) -> None:
             rows["voice"].append(meta["voice"])
             if with_instruct:
                 rows["instruct"].append(meta.get("instruct"))
+            for name in optional:
+                rows[name].append(meta.get(name))
             if with_qc:
                 columns = qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {}
                 for name, _ in QC_COLUMNS:
@@ -219,6 +223,9 @@ def _write_hf(root: Path, dest: Path) -> None:
         if with_instruct:
             features["instruct"] = {"dtype": "string", "_type": "Value"}
             fields.append(("instruct", pa.string()))
+        for name in optional:
+            features[name] = {"dtype": "string", "_type": "Value"}
+            fields.append((name, pa.string()))
         if with_qc:
             for name, kind in QC_COLUMNS:
                 features[name] = {"dtype": {"bool_": "bool"}.get(kind, kind), "_type": "Value"}
@@ -242,6 +249,12 @@ def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
     return out
 
 
+def speaker_label(meta: dict) -> str:
+    """The speaker of an item for NeMo and Lhotse: its voice, and the speaker of a multi-speaker
+    voice a pool gave it (VOICE#SPEAKER)."""
+    return meta["voice"] if meta.get("speaker") is None else f"{meta['voice']}#{meta['speaker']}"
+
+
 def export_nemo(root: Path, copy: bool = False) -> Path:
     """NeMo's tarred audio dataset over the shards (its manifest's path), or with copy=True a
     manifest of loose WAV files (exports/nemo/manifest.jsonl)."""
@@ -258,9 +271,11 @@ NEMO_TARRED_MANIFEST = "tarred_audio_manifest.json"  # the names NeMo's convert_
 
 def _nemo_entry(meta: dict, audio_filepath: str) -> dict:
     entry = {"audio_filepath": audio_filepath, "duration": meta["duration"], "text": meta["text"],
-             "speaker": meta["voice"], "id": meta["id"]}
+             "speaker": speaker_label(meta), "id": meta["id"]}
     if "instruct" in meta:
         entry["instruct"] = meta["instruct"]
+    if "language" in meta:
+        entry["lang"] = meta["language"]  # NeMo's key (its multilingual tokenizers read it)
     if isinstance(meta.get("qc"), dict):  # flat, as NeMo's manifest filters read fields
         entry.update(qc_columns(meta["qc"]))
     return entry
@@ -323,16 +338,18 @@ def _write_lhotse(root: Path, dest: Path, copy: bool = False) -> None:
         })
         duration = meta["num_samples"] / meta["sample_rate"]
         custom = {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
+                  **({"prompt": meta["prompt"]} if "prompt" in meta else {}),
                   **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})}
+        common = {"recording_id": rec_id, "channel": 0, "speaker": speaker_label(meta),
+                  **({"language": meta["language"]} if "language" in meta else {})}
         segments = meta.get("segments") if isinstance(meta.get("segments"), list) else []
         if len(segments) < 2:  # one supervision for the whole clip
-            supervisions.append({"id": rec_id, "recording_id": rec_id, "start": 0.0, "duration": duration,
-                                 "channel": 0, "text": meta["text"], "speaker": meta["voice"], "custom": custom})
+            supervisions.append({"id": rec_id, "start": 0.0, "duration": duration, "text": meta["text"], **common,
+                                 "custom": custom})
             continue
         for i, seg in enumerate(segments):  # one per piece the row was spoken as (KEY.json "segments")
             start, end = max(0.0, seg["start"]), min(duration, seg["end"])
-            supervisions.append({"id": f"{rec_id}-{i}", "recording_id": rec_id, "start": start,
-                                 "duration": end - start, "channel": 0, "text": seg["text"], "speaker": meta["voice"],
-                                 "custom": {**custom, "segment": i}})
+            supervisions.append({"id": f"{rec_id}-{i}", "start": start, "duration": end - start, "text": seg["text"],
+                                 **common, "custom": {**custom, "segment": i}})
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
         (dest / f"{name}.jsonl.gz").write_bytes(gzip.compress(_jsonl(rows), mtime=0))

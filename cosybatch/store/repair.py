@@ -372,9 +372,7 @@ def _item_record(key: str, meta_bytes: bytes, wav: bytes, admit: Optional[Admit]
         record = {"id": meta["id"], "key": key, "row": int(meta["row"]), "text": meta["text"],
                   "voice": meta["voice"], "duration_s": float(meta["duration"]),
                   "num_samples": int(meta["num_samples"]), "sample_rate": int(meta["sample_rate"])}
-        if isinstance(meta.get("instruct"), str):
-            record["instruct"] = meta["instruct"]
-        for name in ("source", "wav_sha256"):
+        for name in ("instruct", "speaker", "prompt", "language", "source", "wav_sha256"):
             if isinstance(meta.get(name), str):
                 record[name] = meta[name]
     except (ValueError, KeyError, TypeError, AttributeError):

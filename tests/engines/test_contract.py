@@ -196,7 +196,7 @@ def test_aliases_come_from_the_engines():
     cosy = {a.option for a in engine_class("cosyvoice").aliases}
     assert piper == {"voice_dir", "speaker", "precision", "noise_scale", "length_scale", "noise_w"}
     assert cosy == {"model", "speaker", "prompt_wav", "prompt_text", "prompt_dir", "instruct", "precision",
-                    "max_instruct_chars", "max_prompt_text_chars"}
+                    "max_instruct_chars", "max_prompt_text_chars", "speed"}
 
 
 def test_an_alias_flag_sets_its_engine_option():

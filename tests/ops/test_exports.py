@@ -224,3 +224,29 @@ def test_segment_times_tile_the_clip_and_each_holds_its_piece(tmp_path):
     assert len(whole) == 1 and whole[0].duration == pytest.approx(one["duration"]) and whole[0].text == one["text"]
     trimmed = cuts[items["three"]["key"]].trim_to_supervisions(keep_overlapping=False)
     assert [len(c.load_audio()[0]) for c in trimmed] == [len(a) for a in alone]
+
+
+def test_exports_carry_the_rows_language_and_pool_speaker(tmp_path):
+    """The language column reaches every export (HF `language`, NeMo `lang`, Lhotse supervisions'
+    `language`), each loaded by its own library; rows without one have none."""
+    rows = corpus_rows(3)
+    rows[0]["language"], rows[1]["language"] = "en", "en-GB"
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    run(RunConfig(corpus=corpus, out=out, export=("hf", "nemo", "lhotse"), progress="none", qc="off"))
+    want = {"utt/0": "en", "utt/1": "en-GB", "utt/2": None}
+
+    import datasets
+
+    hf = datasets.load_dataset("parquet", data_files=sorted(map(str, (out / "exports/hf/data").glob("*.parquet"))),
+                               split="train", cache_dir=str(tmp_path / "hf-cache"))
+    assert hf.features["language"] == datasets.Value("string")
+    assert dict(zip(hf["id"], hf["language"], strict=True)) == want
+
+    entries = [json.loads(line) for line in (out / "exports/nemo/tarred_audio_manifest.json").read_text().splitlines()]
+    assert {e["id"]: e.get("lang") for e in entries} == want
+
+    import lhotse
+
+    supervisions = lhotse.load_manifest(out / "exports/lhotse/supervisions.jsonl.gz")
+    assert {s.custom["id"]: s.language for s in supervisions} == want

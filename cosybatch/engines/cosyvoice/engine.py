@@ -20,7 +20,18 @@ from typing import Optional
 from ...cache import file_fingerprint
 from ...errors import UsageError
 from ...plan import Unit
-from .. import Engine, EngineOptions, MemoryPlan, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
+from .. import (
+    Engine,
+    EngineOptions,
+    MemoryPlan,
+    Piece,
+    Prepared,
+    RowRejected,
+    ScaleRange,
+    Synthesised,
+    VoiceRequest,
+    item_seed,
+)
 from ..base import Alias
 from .setup import check_flow_backend, check_setup
 
@@ -69,6 +80,9 @@ class CosyVoiceOptions:
     instruct: Optional[str] = None
     """Default instruction (emotion, speed, dialect, style) for rows without an instruct value:
     CosyVoice2 and 3 with any voice, CosyVoice-300M-Instruct with a built-in speaker."""
+    speed: Optional[str] = None
+    """Speaking speed (>1 is faster: the mel is resampled in time, as upstream's `speed`), a value or a range
+    LOW:HIGH (0.9:1.1) drawn per row; unset: 1."""
     precision: str = "fp32"
     """fp32, or bf16/fp16: the LM's and the flow's weights converted once at load (the vocoder stays fp32)."""
     max_segment_tokens: int = MAX_SEGMENT_TOKENS
@@ -97,6 +111,7 @@ class CosyVoiceOptions:
             raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
         if self.flow_backend not in ("torch", "onnx", "tensorrt"):
             raise UsageError(f"--engine-opt flow_backend must be torch, onnx or tensorrt (got {self.flow_backend!r})")
+        ScaleRange.parse(self.speed, "--speed", strict=True)
         for name in ("lm_slots", "flow_batch", "hift_batch", "max_instruct_chars", "max_prompt_text_chars"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UsageError(f"--engine-opt {name} must be at least 1 (got {getattr(self, name)})")
@@ -119,6 +134,7 @@ class CosyVoiceEngine(Engine):
         Alias("instruct", str, "the default instruction (emotion, speed, dialect, style) for rows without an "
                                "instruct column value."),
         Alias("precision", str, "fp32|bf16|fp16."),
+        Alias("speed", str, "speaking speed, >1 is faster, or a range LOW:HIGH (0.9:1.1) drawn per row (unset: 1)."),
         Alias("max_instruct_chars", int, f"longest instruction in characters (default {MAX_INSTRUCT_CHARS}); "
                                          "a longer row fails."),
         Alias("max_prompt_text_chars", int, f"longest prompt transcript in characters (default "
@@ -206,6 +222,9 @@ class CosyVoiceEngine(Engine):
         from ...corpus import clean_text
 
         self.default_instruct = clean_text(opts.instruct) or None if opts.instruct is not None else None
+        self.speed = ScaleRange.parse(opts.speed, "--speed", strict=True)
+        if self.speed is not None and self.speed.describe() == 1.0:
+            self.speed = None  # 1 is no change (and the fingerprint of a job without it)
         from ...cosyvoice.family import variant
 
         self.variant = variant(self.model_dir, self.family)
@@ -329,6 +348,7 @@ class CosyVoiceEngine(Engine):
             # Only when not the default, so fingerprints of earlier runs stay valid.
             **({"flow_backend": self.flow_backend} if self.flow_backend != "torch" else {}),
             **({"instruct": self.default_instruct} if self.default_instruct is not None else {}),
+            **({"speed": self.speed.describe()} if self.speed is not None else {}),
         }
 
     def memory_plan(self) -> MemoryPlan:
@@ -346,7 +366,8 @@ class CosyVoiceEngine(Engine):
 
     # -- voices -------------------------------------------------------------------------------
     def _voice(self, request: Optional[VoiceRequest]):
-        if request is None or (request.prompt_wav is None and (request.name is None or not request.from_row)):
+        named = request is not None and request.name is not None and (request.from_row or request.pooled)
+        if request is None or (request.prompt_wav is None and not named):
             if self.default_voice is None:
                 raise RowRejected("no voice: give --speaker NAME or --prompt-wav/--prompt-text, "
                                   "or speaker / prompt_wav columns in the corpus")
@@ -460,13 +481,15 @@ class CosyVoiceEngine(Engine):
                               f"{longest} text tokens), over the {self.lm_context_tokens():,} a decode slot "
                               "holds; shorten the prompt text, instruction or prompt audio")
         costs, payloads = [], []
+        speed = 1.0 if self.speed is None else self.speed.draw(self.seed, item_id, attempt, "speed")
         for part, (_, tokens) in enumerate(segments):
             payloads.append(Segment(tuple(tokens), chosen, prompt_text, item_seed(self.seed, item_id, part, attempt),
-                                    lm_speech=lm_speech, lm_embedding=instruct is None))
+                                    lm_speech=lm_speech, lm_embedding=instruct is None, speed=speed))
             costs.append(max(1, per_token * len(tokens) + prompt_cost))
         spoken = " ".join(seg for seg, _ in segments)
+        drawn = {"speed": speed} if self.speed is not None and not self.speed.fixed else None
         pieces = tuple(Piece(c, p, text=seg) for c, p, (seg, _) in zip(costs, payloads, segments, strict=True))
-        return Prepared(pieces, spoken, voice=chosen.key, instruct=instruct)
+        return Prepared(pieces, spoken, voice=chosen.key, instruct=instruct, meta=drawn)
 
     # -- audio --------------------------------------------------------------------------------
     def synthesize(self, units: Sequence[Unit]) -> Synthesised:

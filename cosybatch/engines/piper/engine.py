@@ -24,8 +24,19 @@ import numpy as np
 from ...cache import file_sha256
 from ...errors import UsageError, VoiceError
 from ...plan import Unit
-from ..base import Alias, Engine, EngineOptions, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, item_seed
-from .graph import patch_graph
+from ..base import (
+    Alias,
+    Engine,
+    EngineOptions,
+    Piece,
+    Prepared,
+    RowRejected,
+    ScaleRange,
+    Synthesised,
+    VoiceRequest,
+    item_seed,
+)
+from .graph import SCALES_INPUT, patch_graph
 from .phonemes import MAX_PIECE_IDS, Phonemizer
 from .text import clause_spans, foreign_letters, normalize_symbols, voice_scripts
 from .voice import VoiceConfig, resolve_voice
@@ -48,6 +59,8 @@ class PhonemeIds:
 
     ids: np.ndarray  # int64 [T]
     seed: int
+    scales: Optional[tuple[float, float, float]] = None  # the row's (noise, length, noise_w); None: the voice's
+    sid: Optional[int] = None  # the row's speaker of a multi-speaker voice; None: the engine's --speaker
 
 
 def _ort_errors():
@@ -65,12 +78,13 @@ class PiperOptions:
     """Folder holding NAME.onnx + NAME.onnx.json voices that corpus rows may name."""
     speaker: Optional[str] = None
     """Speaker name or id for multi-speaker voices."""
-    noise_scale: Optional[float] = None
-    """Generator noise; unset: the voice's default."""
-    length_scale: Optional[float] = None
-    """Speaking-rate factor (>1 is slower); unset: the voice's default."""
-    noise_w: Optional[float] = None
-    """Duration noise; unset: the voice's default."""
+    noise_scale: Optional[str] = None
+    """Generator noise, a value or a range LOW:HIGH drawn per row; unset: the voice's default."""
+    length_scale: Optional[str] = None
+    """Speaking-rate factor (>1 is slower), a value or a range LOW:HIGH (0.9:1.2) drawn per row;
+    unset: the voice's default."""
+    noise_w: Optional[str] = None
+    """Duration noise, a value or a range LOW:HIGH drawn per row; unset: the voice's default."""
     conv2d: Optional[bool] = None
     """Run 1-D convolutions as 2-D ones (same result, ~1.2x faster on CPU); unset: on for CPU."""
     pad_multiple: Optional[int] = None
@@ -89,17 +103,21 @@ class PiperOptions:
     (docs/piper.md: "INT8 voices"; `cosybatch quantize` builds it ahead)."""
 
     def __post_init__(self) -> None:
-        if self.length_scale is not None and self.length_scale <= 0:
-            raise UsageError("--length-scale must be > 0")
-        for name in ("noise_scale", "noise_w"):
-            if (getattr(self, name) or 0) < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+        self.ranges()  # each a number or LOW:HIGH, in bounds
         if (self.pad_multiple is not None and self.pad_multiple < 1) or self.max_piece_ids < 8:
             raise UsageError("pad_multiple must be at least 1 and max_piece_ids at least 8")
         if not 0.0 <= self.stage2_efficiency <= 1.0:
             raise UsageError("stage2_efficiency must be between 0 and 1")
         if self.precision not in ("fp32", "int8"):
             raise UsageError(f"--precision {self.precision!r}: Piper voices run in fp32 or int8")
+
+    def ranges(self) -> dict:
+        """noise_scale, length_scale, noise_w -> ScaleRange (None: the voice's default)."""
+        return {name: ScaleRange.parse(getattr(self, name), f"--{name.replace('_', '-')}",
+                                       strict=name == "length_scale") for name in SCALE_NAMES}
+
+
+SCALE_NAMES = ("noise_scale", "length_scale", "noise_w")  # the order of the model's `scales` input
 
 
 class PiperEngine(Engine):
@@ -113,9 +131,11 @@ class PiperEngine(Engine):
         Alias("voice_dir", Path, "voices NAME.onnx + NAME.onnx.json that corpus rows may name."),
         Alias("speaker", str, "a speaker of a multi-speaker voice."),
         Alias("precision", str, 'fp32|int8 (int8: docs/piper.md, "INT8 voices").'),
-        Alias("noise_scale", float, "generator noise (unset: the voice's default)."),
-        Alias("length_scale", float, "speaking-rate factor, >1 is slower (unset: the voice's default)."),
-        Alias("noise_w", float, "duration noise (unset: the voice's default)."),
+        Alias("noise_scale", str, "generator noise, or a range LOW:HIGH drawn per row (unset: the voice's "
+                                  "default)."),
+        Alias("length_scale", str, "speaking-rate factor, >1 is slower, or a range LOW:HIGH (0.9:1.2) drawn per "
+                                   "row (unset: the voice's default)."),
+        Alias("noise_w", str, "duration noise, or a range LOW:HIGH drawn per row (unset: the voice's default)."),
     )
 
     @classmethod
@@ -144,9 +164,15 @@ class PiperEngine(Engine):
         self.sample_rate = self.config.sample_rate
         self.scripts = voice_scripts(self.config.espeak_voice)
         self.seed = options.seed
-        self.noise_scale = _pick(opts.noise_scale, self.config.noise_scale)
-        self.length_scale = _pick(opts.length_scale, self.config.length_scale)
-        self.noise_w = _pick(opts.noise_w, self.config.noise_w)
+        defaults = {"noise_scale": self.config.noise_scale, "length_scale": self.config.length_scale,
+                    "noise_w": self.config.noise_w}
+        # Each scale as a range (a fixed value is a range of one); the attributes are the job's
+        # values where fixed, the range's low end otherwise (probes and the fingerprint's shape).
+        self.scale_ranges = {name: given or ScaleRange(float(defaults[name]), float(defaults[name]))
+                             for name, given in opts.ranges().items()}
+        self.noise_scale, self.length_scale, self.noise_w = (self.scale_ranges[n].low for n in SCALE_NAMES)
+        self._drawn = tuple(n for n in SCALE_NAMES if not self.scale_ranges[n].fixed)
+        self._speakers: dict = {}  # a pool's speaker name -> id
         self.max_piece_ids = opts.max_piece_ids
         self.phonemizer = Phonemizer(self.config, self.max_piece_ids)
         self.speaker = self._speaker_id(opts.speaker)
@@ -182,6 +208,9 @@ class PiperEngine(Engine):
             raise UsageError("--device cuda: onnxruntime could not start its CUDA provider here; "
                              "install onnxruntime-gpu on a machine with a working NVIDIA driver, or use --device cpu")
         self._input_names = {i.name for i in self._session.get_inputs()}
+        if self._drawn and not graph.per_item_scales:
+            raise VoiceError(f"voice {self.voice_name!r}: its graph reads its scales other than as Piper exports "
+                             f"do, so they cannot differ within a batch; give {', '.join(self._drawn)} one value")
         self._output_names = [self._graph.length_output, "output"]
         self._channels = self._probe_noise_channels()
         self.two_stage = opts.two_stage  # None: auto, decided per batch (_use_two_stage)
@@ -217,14 +246,18 @@ class PiperEngine(Engine):
         shapes = self._session.run([f"{n}_shape" for n in self._graph.noise_inputs], feeds)
         return tuple(int(s[1]) for s in shapes)
 
-    def _feeds(self, ids: np.ndarray, lengths: np.ndarray) -> dict:
-        feeds = {
-            "input": ids,
-            "input_lengths": lengths,
-            "scales": np.array([self.noise_scale, self.length_scale, self.noise_w], dtype=np.float32),
-        }
+    def _feeds(self, ids: np.ndarray, lengths: np.ndarray, pieces: Optional[Sequence[PhonemeIds]] = None) -> dict:
+        """The graph's inputs besides the noise; each piece's own scales and speaker where it has them."""
+        default = (self.noise_scale, self.length_scale, self.noise_w)
+        feeds = {"input": ids, "input_lengths": lengths}
+        if self._graph.per_item_scales:
+            rows = [p.scales or default for p in pieces] if pieces is not None else [default] * len(ids)
+            feeds[SCALES_INPUT] = np.array(rows, dtype=np.float32).reshape(len(ids), 3)
+        else:
+            feeds["scales"] = np.array(default, dtype=np.float32)
         if "sid" in self._input_names:
-            feeds["sid"] = np.full(len(ids), self.speaker, dtype=np.int64)
+            sids = [self.speaker if pieces is None or p.sid is None else p.sid for p in pieces or [None] * len(ids)]
+            feeds["sid"] = np.array(sids, dtype=np.int64)
         return feeds
 
     def describe(self) -> dict:
@@ -233,9 +266,8 @@ class PiperEngine(Engine):
             "voice": self.voice_name,
             "model_sha256": self.model_sha256,
             "sample_rate": self.sample_rate,
-            "noise_scale": self.noise_scale,
-            "length_scale": self.length_scale,
-            "noise_w": self.noise_w,
+            # a value, or [low, high] for a range drawn per row (the row's value is in its KEY.json)
+            **{name: self.scale_ranges[name].describe() for name in SCALE_NAMES},
             "speaker": self.speaker,
             "max_piece_ids": self.max_piece_ids,
             # fp32 adds nothing, so fingerprints of jobs from before int8 existed still match.
@@ -255,6 +287,9 @@ class PiperEngine(Engine):
                 sample = "".join(foreign[:10])
                 raise RowRejected(f"characters this voice ({self.config.espeak_voice}) cannot speak: "
                                   f"{sample!r}; route the row to a voice for that language")
+        drawn = {name: self.scale_ranges[name].draw(self.seed, item_id, attempt, name) for name in self._drawn}
+        scales = tuple(drawn.get(n, self.scale_ranges[n].low) for n in SCALE_NAMES) if drawn else None
+        sid = self._pool_speaker(voice.speaker) if voice is not None and voice.speaker is not None else None
         pieces: list[Piece] = []
         phonemized, sizes = self.phonemizer.pieces(text)
         spans = ([(0, len(text))] if self.config.phoneme_type != "espeak"
@@ -268,10 +303,19 @@ class PiperEngine(Engine):
                 continue
             seed = item_seed(self.seed, item_id, len(pieces), attempt)
             said = text[spans[clauses[0]][0]:spans[clauses[1]][1]] if spans and clauses else None
-            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed), text=said))
+            pieces.append(Piece(cost=len(ids), payload=PhonemeIds(ids, seed, scales, sid), text=said))
         if not pieces:
             raise RowRejected("nothing pronounceable in the text for this voice")
-        return Prepared(tuple(pieces), text)
+        return Prepared(tuple(pieces), text, meta=drawn or None)
+
+    def _pool_speaker(self, speaker: str) -> int:
+        """A voice pool's speaker of this voice (a name or an id) -> its id; RowRejected if it has none."""
+        if speaker not in self._speakers:
+            try:
+                self._speakers[speaker] = self._speaker_id(speaker)
+            except UsageError as exc:
+                raise RowRejected(str(exc)) from None
+        return self._speakers[speaker]
 
     def estimate_seconds(self, piece: Piece) -> float:
         """Phoneme ids -> seconds: FRAMES_PER_ID frames per id, times the length scale, of `hop` samples."""
@@ -282,9 +326,10 @@ class PiperEngine(Engine):
         """Per-item noise for the one-graph path, the frame axis sized by an allowance per id."""
         feeds = {}
         lengths = [len(p.ids) for p in pieces]
+        rates = [p.scales[1] if p.scales else self.length_scale for p in pieces]
         for k, (name, on_frames) in enumerate(zip(self._graph.noise_inputs, self._graph.noise_on_frames, strict=True)):
             if on_frames:
-                times = [int(n * frame_allowance * max(self.length_scale, 0.1)) + 64 for n in lengths]
+                times = [int(n * frame_allowance * max(rate, 0.1)) + 64 for n, rate in zip(lengths, rates, strict=True)]
             else:
                 times = lengths
             width = max(times) if on_frames else input_width  # the phoneme axis may be padded
@@ -296,9 +341,10 @@ class PiperEngine(Engine):
         depends only on its seed, never on the batch; zeros after."""
         channels = self._channels[k]
         noise = np.zeros((len(pieces), channels, width), dtype=np.float32)
-        scale = self.noise_scale if self._graph.noise_on_frames[k] else self.noise_w
-        if scale != 0.0:
-            for i, piece in enumerate(pieces):
+        which = 0 if self._graph.noise_on_frames[k] else 2  # noise_scale or noise_w
+        default = (self.noise_scale, self.length_scale, self.noise_w)[which]
+        for i, piece in enumerate(pieces):
+            if (piece.scales[which] if piece.scales else default) != 0.0:  # scaled to nothing: left zero
                 rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([piece.seed, k])))
                 # Drawn time-major, so the first t steps never depend on how many are drawn.
                 noise[i, :, : times[i]] = rng.standard_normal((times[i], channels), dtype=np.float32).T
@@ -319,7 +365,7 @@ class PiperEngine(Engine):
             if stages is not None:
                 return self._synthesize_two_stage(stages, pieces)
         ids, lengths, width = self._batch_inputs(pieces)
-        feeds = self._feeds(ids, lengths)
+        feeds = self._feeds(ids, lengths, pieces)
         allowance = NOISE_FRAMES_PER_ID
         for attempt in range(3):
             feeds.update(self._noise(pieces, allowance, width))
@@ -378,7 +424,7 @@ class PiperEngine(Engine):
         from .split import group_by_frames
 
         ids, lengths, width = self._batch_inputs(pieces)
-        feeds = self._feeds(ids, lengths)
+        feeds = self._feeds(ids, lengths, pieces)
         for k, name in enumerate(self._graph.noise_inputs):
             if not self._graph.noise_on_frames[k]:
                 feeds[name] = self._noise_input(pieces, k, lengths, width)
@@ -393,7 +439,7 @@ class PiperEngine(Engine):
             for name in stages.split.stage2_inputs:
                 if name in self._graph.noise_inputs:
                     direct[name] = self._noise_input(group, self._graph.noise_inputs.index(name), need, max(need))
-                elif name == "sid":
+                elif name in ("sid", SCALES_INPUT):  # one per item
                     direct[name] = feeds[name][rows]
                 else:
                     direct[name] = feeds[name]
@@ -404,10 +450,6 @@ class PiperEngine(Engine):
                 out[r] = audio[g, : need[g] * hop].astype(np.float32, copy=True)
             padded += len(rows) * max(need)
         return Synthesised(out, real_frames=int(frames.sum()), padded_frames=padded)
-
-
-def _pick(value, default: float) -> float:
-    return float(default if value is None else value)
 
 
 def _providers(ort, device: str, memory_fraction: float = 0.9) -> list:

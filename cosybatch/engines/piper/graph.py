@@ -17,6 +17,12 @@ class PatchedGraph:
     length_output: str  # frames per item, int64 [B]
     noise_inputs: tuple[str, ...]  # each [B, C, T]; sliced in-graph to the shape the op wanted
     noise_on_frames: tuple[bool, ...]  # True: time axis is output frames; False: phoneme ids
+    # True: the voice's `scales` [3] input is replaced by SCALES_INPUT [B, 3], one (noise_scale,
+    # length_scale, noise_w) per item; False: the model reads its scales another way (one per batch).
+    per_item_scales: bool = False
+
+
+SCALES_INPUT = "cosybatch_scales"
 
 
 def patch_graph(model_bytes: bytes, conv2d: bool = False) -> PatchedGraph:
@@ -44,6 +50,7 @@ def patch_graph(model_bytes: bytes, conv2d: bool = False) -> PatchedGraph:
                          "cosybatch cannot trim its batched output exactly")
     length_output = length_node.output[0]
     graph.output.append(helper.make_tensor_value_info(length_output, TensorProto.INT64, None))
+    per_item_scales = scales_per_item(graph)
 
     def ancestors(name: str) -> set[str]:
         seen, stack = set(), [name]
@@ -80,7 +87,41 @@ def patch_graph(model_bytes: bytes, conv2d: bool = False) -> PatchedGraph:
         graph.output.append(helper.make_tensor_value_info(f"{name}_shape", TensorProto.INT64, [3]))
         noise_inputs.append(name)
         on_frames.append(node.name not in before_length)
-    return PatchedGraph(model.SerializeToString(), length_output, tuple(noise_inputs), tuple(on_frames))
+    return PatchedGraph(model.SerializeToString(), length_output, tuple(noise_inputs), tuple(on_frames),
+                        per_item_scales)
+
+
+def scales_per_item(graph) -> bool:
+    """Let each item of a batch have its own scales: every `Gather(scales, k)` (a scalar that
+    multiplies the prior noise, the durations or the duration noise, each a [B, C, T] tensor)
+    becomes `Reshape(Gather(cosybatch_scales, k, axis=1), [-1, 1, 1])`, item i's own value
+    broadcast over its rows. Returns False, changing nothing, where the voice reads `scales`
+    otherwise (its scales then stay one per batch)."""
+    from onnx import TensorProto, helper
+
+    inputs = [i for i in graph.input if i.name == "scales"]
+    users = [n for n in graph.node if "scales" in n.input]
+    constants = {n.output[0] for n in graph.node if n.op_type == "Constant"} | {i.name for i in graph.initializer}
+    if len(inputs) != 1 or not users or any(n.op_type != "Gather" or n.input[0] != "scales"
+                                            or n.input[1] not in constants for n in users):
+        return False
+    replaced = {n.output[0] for n in users}
+    for info in [v for v in graph.value_info if v.name in replaced]:  # scalars no more
+        graph.value_info.remove(info)
+    shape = f"{SCALES_INPUT}_item_shape"
+    graph.initializer.append(helper.make_tensor(shape, TensorProto.INT64, [3], [-1, 1, 1]))
+    for node in users:
+        at = list(graph.node).index(node)
+        picked = f"{node.output[0]}__per_item"
+        gather = helper.make_node("Gather", [SCALES_INPUT, node.input[1]], [picked], axis=1,
+                                  name=f"{node.name}__per_item")
+        reshape = helper.make_node("Reshape", [picked, shape], [node.output[0]], name=f"{node.name}__broadcast")
+        graph.node.remove(node)
+        graph.node.insert(at, gather)
+        graph.node.insert(at + 1, reshape)
+    graph.input.remove(inputs[0])
+    graph.input.append(helper.make_tensor_value_info(SCALES_INPUT, TensorProto.FLOAT, ["batch", 3]))
+    return True
 
 
 def convs_as_2d(graph) -> int:

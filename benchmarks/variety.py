@@ -1,0 +1,133 @@
+"""Variety against batching: one voice at fixed scales vs a pool of 4 voices with a length-scale
+range, side by side, and the hours per voice of the pool's two modes.
+
+The pool's voices are 4 copies of the embedded en_US-joe-medium (symlinks under distinct names, so
+the job opens 4 engines and batches each voice's rows apart, as it would 4 real voices; their audio
+is the same voice). Both variants go through the job's own path: `EngineSet.prepare` (the pool's
+assignment, each row's drawn length scale), the planner's batches (grouped by voice) and the
+engine's batched synthesis (two stages at batch > 1, the CPU's and GPU's default). A third variant,
+one voice with the range, tells the range's cost from the pool's. Each engine first runs a few
+short pieces untimed (a session's first batches grow its memory arena); then the variants take
+turns batch by batch, so a noisy machine slows them alike. Prints, per variant: rows, batches,
+decoder padding efficiency (real / computed output frames: 1 - stats.json's padding_ratio),
+audio-seconds per wall-second; then the audio hours per voice the pool made (balanced mode, what
+was synthesised) and what hash mode would have given the same rows (predicted by the engine's cost).
+
+    python benchmarks/variety.py [--rows 120] [--batch-size 32] [--length-scale 0.9:1.2] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from common import sentences
+
+from cosybatch.config import RunConfig
+from cosybatch.corpus import Row
+from cosybatch.engines.piper.voice import bundled_voice
+from cosybatch.plan import Unit, plan_batches
+from cosybatch.run.executor import EngineSet
+
+VOICES = ("voice1", "voice2", "voice3", "voice4")
+
+
+def prepared(cfg: RunConfig, rows: list[Row], device: str):
+    """(EngineSet, units grouped by voice, predicted cost per voice label) the job would make."""
+    engines = EngineSet(cfg, device=device)
+    units, cost = [], {}
+    for row in rows:
+        group, prep, _entry = engines.prepare(row)
+        label = engines.by_voice[group].voice_name
+        cost[label] = cost.get(label, 0) + sum(p.cost for p in prep.pieces)
+        units += [Unit(row.index, part, piece.cost, group, piece.payload) for part, piece in enumerate(prep.pieces)]
+    return engines, units, cost
+
+
+def spread(values: dict) -> str:
+    mean = sum(values.values()) / len(values)
+    return f"(max - min) / mean = {(max(values.values()) - min(values.values())) / mean:.3f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=120)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--budget-per-item", type=int, default=256, help="padded phoneme ids per item (the default)")
+    ap.add_argument("--length-scale", default="0.9:1.2")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="cosybatch-variety-"))
+    pool = tmp / "voices"
+    pool.mkdir()
+    model, config = bundled_voice()
+    for name in VOICES:
+        (pool / f"{name}.onnx").symlink_to(model)
+        (pool / f"{name}.onnx.json").symlink_to(config)
+    corpus = tmp / "corpus.txt"
+    texts = sentences(args.rows)
+    corpus.write_text("\n".join(texts) + "\n")
+    rows = [Row(i, str(i + 1), text) for i, text in enumerate(texts)]
+    common = {"corpus": corpus, "out": tmp / "out", "threads": args.threads, "seed": 7}
+    length = {"length_scale": args.length_scale}
+    configs = {
+        "one voice, fixed scales": RunConfig(**common),
+        f"one voice, length {args.length_scale}": RunConfig(**common, engine_options=length),
+        f"pool of 4, length {args.length_scale}": RunConfig(**common, voice_pool=str(pool), voice_pool_mode="balanced",
+                                                            engine_options=length),
+    }
+    variants = {}
+    for name, cfg in configs.items():
+        engines, units, cost = prepared(cfg, rows, args.device)
+        batches = plan_batches(units, args.batch_size, args.batch_size * args.budget_per_item)
+        variants[name] = {"engines": engines, "batches": batches, "cost": cost, "wall": 0.0, "real": 0, "padded": 0,
+                          "audio": {}}
+    hashed = prepared(RunConfig(**common, voice_pool=str(pool), engine_options=length), rows, args.device)[2]
+    for v in variants.values():  # each session's first batches grow its memory arena: not timed
+        for batch in v["batches"]:
+            warm = [u for u in batch.units if u.cost < 40][:4] or list(batch.units[:1])
+            v["engines"].by_voice[batch.group].synthesize(warm)
+    device = next(iter(variants["one voice, fixed scales"]["engines"].by_voice.values())).device
+    print(f"{args.rows} rows of examples/sentences.txt, batch {args.batch_size}, device {device}, "
+          f"{args.threads} thread(s); pool voices: 4 copies of the embedded en_US-joe-medium")
+
+    names = list(variants)
+    longest = max(len(v["batches"]) for v in variants.values())
+    for i in range(longest):
+        for name in names if i % 2 == 0 else names[::-1]:
+            v = variants[name]
+            if i >= len(v["batches"]):
+                continue
+            batch = v["batches"][i]
+            engine = v["engines"].by_voice[batch.group]
+            t = time.perf_counter()
+            out = engine.synthesize(batch.units)
+            v["wall"] += time.perf_counter() - t
+            v["real"] += out.real_frames
+            v["padded"] += out.padded_frames
+            seconds = sum(len(a) for a in out.audio) / engine.sample_rate
+            v["audio"][engine.voice_name] = v["audio"].get(engine.voice_name, 0.0) + seconds
+        print(f"batch {i + 1} of {longest} done", flush=True)
+
+    print(f"\n{'variant':32s} {'batches':>7s} {'padding eff.':>12s} {'audio-s/s':>10s} {'audio-s':>8s}")
+    for name in names:
+        v = variants[name]
+        audio = sum(v["audio"].values())
+        print(f"{name:32s} {len(v['batches']):7d} {v['real'] / v['padded']:12.3f} {audio / v['wall']:10.2f} "
+              f"{audio:8.1f}")
+    made = variants[names[-1]]["audio"]
+    print("\nbalanced mode, audio made per voice (s): "
+          + ", ".join(f"{k} {made[k]:.1f}" for k in sorted(made)) + f"; {spread(made)}")
+    predicted = variants[names[-1]]["cost"]
+    print("balanced mode, predicted cost per voice (phoneme ids): "
+          + ", ".join(f"{k} {predicted[k]}" for k in sorted(predicted)) + f"; {spread(predicted)}")
+    print("hash mode, predicted cost per voice (phoneme ids):     "
+          + ", ".join(f"{k} {hashed.get(k, 0)}" for k in sorted(predicted)) + f"; {spread(hashed)}")
+
+
+if __name__ == "__main__":
+    main()
