@@ -52,8 +52,8 @@ class _Estimating(EngineSet):
         self.seconds: Optional[float] = 0.0  # None once a piece has no estimate
         self.samples: Optional[int] = 0
 
-    def prepare(self, row: Row, attempt: int = 0):
-        group, prepared = super().prepare(row, attempt)
+    def prepare(self, row: Row, attempt: int = 0, entry=None):
+        group, prepared, entry = super().prepare(row, attempt, entry)
         engine = self.by_voice[group]
         self.rows += 1
         self.pieces += len(prepared.pieces)
@@ -65,7 +65,7 @@ class _Estimating(EngineSet):
                 clip = sum(each) + self.cfg.sentence_silence * (len(each) - 1)
                 self.seconds += clip
                 self.samples += round(clip * engine.sample_rate)
-        return group, prepared
+        return group, prepared, entry
 
 
 class _Counted:
