@@ -112,6 +112,11 @@ def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus
     assert proc.returncode == 0, proc.stderr
     meta = next(iter(read_output(out).values()))["meta"]
     assert meta["settings"]["sampling"] == {"top_p": 0.8, "top_k": 1, "win_size": 10, "tau_r": 2.0}
+    # stats.json counts the LM's decode steps: on CPU all eager, no CUDA graph captured or replayed.
+    lm_stats = json.loads((out / "stats.json").read_text())["engine_stats"]["lm"]
+    assert lm_stats["steps"] > 0 and lm_stats["eager_steps"] == lm_stats["steps"]
+    assert lm_stats["graphs"] == lm_stats["graph_replays"] == lm_stats["capture_failures"] == 0
+    assert lm_stats["stage_streams"] is False
 
 
 def test_stage_batches_follow_real_lengths_and_the_cost_budget():
