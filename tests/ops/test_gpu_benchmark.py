@@ -42,7 +42,7 @@ IMAGE = {
     "_distutils_hack",
 }
 MODULES = (  # what the benchmark and its workers import, lazily included
-    "gpu_throughput", "cosyvoice_e2e", "cosybatch.engines", "cosybatch.engines.cosyvoice.engine",
+    "gpu_throughput", "cosyvoice_e2e", "gpu_memory", "cosybatch.engines", "cosybatch.engines.cosyvoice.engine",
     "cosybatch.cosyvoice.pipeline", "cosybatch.cosyvoice.model", "cosybatch.cosyvoice.lm.v1",
     "cosybatch.cosyvoice.lm.v2", "cosybatch.cosyvoice.lm.v3", "cosybatch.cosyvoice.tiny",
     "cosybatch.cosyvoice.frontend.features", "cosybatch.cosyvoice.frontend.text",

@@ -171,6 +171,10 @@ class DecoderLM(nn.Module):
         """The pool of the last call when it fits (its CUDA graphs stay valid), else a new one."""
         pool = self._pool
         if pool is None or not pool.fits(slots, capacity, max_steps, sampling, cuda_graphs, check_every):
+            if pool is not None and pool.hidden.device.type == "cuda":
+                # The LM may run on a stream of its own: let it finish with the old cache before the
+                # allocator (which orders a free by the default stream) hands that memory out again.
+                torch.cuda.synchronize(pool.hidden.device)
             self._pool = pool = None  # free the old cache before the new one is allocated
             self._pool = SlotPool(self, slots, _round_up(capacity, LENGTH_BUCKET),
                                   _round_up(max_steps, LENGTH_BUCKET), sampling, cuda_graphs, check_every)
