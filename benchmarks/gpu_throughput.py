@@ -193,7 +193,7 @@ def asr_worker(device: str, tiny: bool, clips: int) -> dict:
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
             return EncoderDecoderCache(DynamicCache(), DynamicCache())
-        except (ImportError, TypeError):
+        except Exception:  # another transformers' signature: the model makes its own cache
             return None
 
     @torch.inference_mode()

@@ -561,10 +561,12 @@ class SlotPool:
         windows = range(LENGTH_BUCKET, self.capacity + 1, LENGTH_BUCKET)
         return [(n, w) for n in slot_buckets(self.slots) for w in windows]
 
-    def capture_ahead(self, keys: Sequence[tuple[int, int]]) -> PoolStats:
+    def capture_ahead(self, keys: Sequence[tuple[int, int]], warm_up_only: bool = False) -> PoolStats:
         """Warm up and capture the decode step's CUDA graphs for ``keys`` now (before the memory
-        pool is reserved and before workers start), instead of on their second use. The steps run
-        on the idle pool: every slot is done, and a request's admission resets what they wrote."""
+        pool is reserved and before workers start), instead of on their second use; with
+        ``warm_up_only``, just the eager warm-up step of each (so a caller can measure the capture's
+        memory apart). The steps run on the idle pool: every slot is done, and a request's admission
+        resets what they wrote."""
         self.stats = PoolStats(graphs=len(self.graphs))
         self.owner = [None] * self.slots
         self.done.fill_(True)
@@ -574,7 +576,8 @@ class SlotPool:
             if (n, window) not in self.graphs:
                 if (n, window) not in self._seen:
                     self._run_step(n, window)  # the eager warm-up
-                self._run_step(n, window)  # the capture, then one replay
+                if not warm_up_only:
+                    self._run_step(n, window)  # the capture, then one replay
         self.stats.graphs = len(self.graphs) - self.stats.graphs
         return self.stats
 

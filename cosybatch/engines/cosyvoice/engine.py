@@ -271,14 +271,18 @@ class CosyVoiceEngine(Engine):
         handle, so each graph's memory comes from the driver beside the pool (and outside the cap);
         under the native allocator all graphs share one private pool, which reuses the largest
         graph's memory. The room is what the largest capture took from the driver (the driver's free
-        memory before and after), times the number of graphs the pool may capture under
-        cudaMallocAsync, once under native. 0 without CUDA graphs."""
+        memory before and after; its eager warm-up runs first, outside the measurement, since the
+        pool reuses that memory), times the number of graphs the pool may capture under
+        cudaMallocAsync (the smaller ones need less: an upper bound), once under native. 0 without
+        CUDA graphs."""
         torch = self._torch
         if not slots.use_graphs:
             return 0
+        largest = [(slots.slots, slots.capacity)]
+        self.pipeline.totals.add(slots.capture_ahead(largest, warm_up_only=True))
         torch.cuda.synchronize()
         free = int(torch.cuda.mem_get_info()[0])
-        stats = slots.capture_ahead([(slots.slots, slots.capacity)])
+        stats = slots.capture_ahead(largest)
         torch.cuda.synchronize()
         measured = max(0, free - int(torch.cuda.mem_get_info()[0]))
         self.pipeline.totals.add(stats)

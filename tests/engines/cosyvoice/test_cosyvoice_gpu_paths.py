@@ -138,3 +138,84 @@ def test_the_lm_decodes_inside_the_out_of_memory_split(cosyvoice_dir, monkeypatc
     split, split_stats = pipeline.decode(segs)
     assert split == whole and sizes == [3, 1, 2, 1, 1]
     assert split_stats.steps > 0 and split_stats.prefills == 3
+
+
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: "capture" runs the step, then puts every pool
+    tensor back as it was (a real capture records without running); replay runs the step."""
+
+    pool = None
+
+    def capture_begin(self, **kwargs):
+        self.saved = [t.clone() for t in self.pool._rows()]
+        self.key = None
+
+    def capture_end(self):
+        for tensor, saved in zip(self.pool._rows(), self.saved, strict=True):
+            tensor.copy_(saved)
+
+    def replay(self):
+        self.pool._step(*self.key)
+
+
+def test_graph_path_counts_captures_replays_and_eager_warm_ups(lm, monkeypatch):
+    """The CUDA-graph path of the pool, run on CPU with stand-ins for the CUDA calls: same tokens as
+    eager decoding, and the counts say what ran (no "graphs: true" row that was eager)."""
+    import contextlib
+
+    reference, eager = lm.decode(requests(), GREEDY, slots=4, cuda_graphs=False)
+    lm._pool = None
+    pool = lm.slot_pool(4, 256, 256, GREEDY, cuda_graphs=True)
+    pool.use_graphs, pool._stream = True, _FakeStream()
+    _FakeGraph.pool = pool
+    real_step = pool._step
+
+    def step(n, window):
+        graph = getattr(pool, "_capturing", None)
+        if graph is not None:
+            graph.key = (n, window)
+        real_step(n, window)
+
+    real_capture = pool._capture
+
+    def capture(n, window):
+        graph_cls = torch.cuda.CUDAGraph
+        made = []
+
+        class Recording(graph_cls):
+            def capture_begin(self, **kwargs):
+                made.append(self)
+                pool._capturing = self
+                super().capture_begin(**kwargs)
+
+            def capture_end(self):
+                pool._capturing = None
+                super().capture_end()
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Recording)
+        try:
+            return real_capture(n, window)
+        finally:
+            monkeypatch.setattr(torch.cuda, "CUDAGraph", graph_cls)
+
+    monkeypatch.setattr(pool, "_step", step)
+    monkeypatch.setattr(pool, "_capture", capture)
+    monkeypatch.setattr(pool, "fits", lambda *args: True)  # it would refuse graphs on a CPU device
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    ahead = pool.capture_ahead([(4, 256)])
+    assert (ahead.graphs, ahead.eager_steps, ahead.graph_replays) == (1, 1, 1)
+    tokens, stats = lm.decode(requests(), GREEDY, slots=4, cuda_graphs=True)
+    assert lm._pool is pool and tokens == reference
+    keys = len(pool.graphs)
+    assert stats.graphs == keys - 1 and stats.capture_failures == 0  # (4, 256) was captured ahead
+    # each new shape: one eager warm-up, then captured; every other step a replay
+    assert stats.eager_steps == stats.graphs and stats.graph_replays == stats.steps - stats.eager_steps
+    assert stats.steps == eager.steps and stats.graph_replays > stats.eager_steps
+    lm._pool = None
