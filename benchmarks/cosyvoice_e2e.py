@@ -102,6 +102,12 @@ def worker(args) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    def stage_sync():
+        # Per-stage timing syncs the whole device, which would serialise two workers' stages: with
+        # more than one worker only the wall time (and the LM's token count) is measured.
+        if args.workers == 1:
+            sync()
+
     lm = {"seconds": 0.0, "tokens": 0, "slot_steps": 0, "live_slot_steps": 0}
     stage_s = {"flow": 0.0, "hift": 0.0}
     # The engine calls decode() where it has one (the slot pool), else generate().
@@ -117,11 +123,11 @@ def worker(args) -> None:
         attention = contextlib.nullcontext
 
     def timed_lm(*a, **k):
-        sync()
+        stage_sync()
         t = time.perf_counter()
         with attention():
             out = original(*a, **k)
-        sync()
+        stage_sync()
         lm["seconds"] += time.perf_counter() - t
         tokens, stats = out if lm_method == "decode" else (out, getattr(engine.lm, "last_stats", None))
         lm["tokens"] += sum(len(x) for x in tokens)
@@ -132,10 +138,10 @@ def worker(args) -> None:
 
     def timed(stage, fn):
         def wrapper(*a, **k):
-            sync()
+            stage_sync()
             t = time.perf_counter()
             out = fn(*a, **k)
-            sync()
+            stage_sync()
             stage_s[stage] += time.perf_counter() - t
             return out
         return wrapper
@@ -148,9 +154,23 @@ def worker(args) -> None:
         order = sorted(range(len(segments)), key=lambda i: -len(segments[i].text_tokens))
 
         def run(segs):
-            for s in range(0, len(segs), size):
-                chunk = [segs[i] for i in order if i < len(segs)][s : s + size]
+            ordered = [segs[i] for i in order if i < len(segs)]
+            # Two workers (as `cosybatch run --workers 2` on a GPU) share the engine: smaller batches,
+            # so that one's flow and vocoder can overlap the other's decoding.
+            step = size if args.workers == 1 else max(1, -(-len(ordered) // (2 * args.workers)))
+            chunks = [ordered[s : s + step] for s in range(0, len(ordered), step)]
+
+            def one(chunk):
                 engine.synthesize([Unit(k, 0, 1, "", seg) for k, seg in enumerate(chunk)])
+
+            if args.workers == 1:
+                for chunk in chunks:
+                    one(chunk)
+            else:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(args.workers) as pool:
+                    list(pool.map(one, chunks))
 
     setattr(engine.lm, lm_method, timed_lm)
     run(segments[:2])  # warm-up
@@ -183,7 +203,8 @@ def worker(args) -> None:
                       "lm_seconds": lm["seconds"], "lm_tokens": lm["tokens"], "live_fraction": live,
                       "flow_seconds": stage_s["flow"], "hift_seconds": stage_s["hift"],
                       "peak_bytes": peak, "device_used_bytes": used, "allocator": allocator,
-                      "configure_note": configure_note, "graphs_captured_in_warm_up": graphs_ahead,
+                      "configure_note": configure_note, "workers": args.workers,
+                      "graphs_captured_in_warm_up": graphs_ahead,
                       "timed_lm_pool": counts, "graph_room_bytes": pool_info.get("graph_room_bytes"),
                       "stage_streams": getattr(getattr(engine, "pipeline", None), "streams", None) is not None
                       and engine.pipeline.streams.enabled}))
@@ -251,6 +272,7 @@ def main() -> None:
     ap.add_argument("--lm-slots", type=int, default=None, help="decode slots (default: the engine's)")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--flow-backend", default="torch", help="ours: torch, onnx or tensorrt (the engine option)")
+    ap.add_argument("--workers", type=int, default=1, help="ours: threads sharing the engine (as run --workers)")
     ap.add_argument("--lm-attention", choices=("default", "math"), default="default",
                     help="ours: math forces the LM's attention onto SDPA's math kernel (for comparison)")
     ap.add_argument("--worker", choices=("ours", "baseline", "upstream"), help=argparse.SUPPRESS)

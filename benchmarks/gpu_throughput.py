@@ -12,7 +12,9 @@ unless its row asks for the native allocator. The rows of the plan, in order:
                 ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``: whether a fused kernel
                 takes its attention (it raises if none does) and gives the same tokens
   ours          cosybatch on --items segments per configuration (precision, decode slots, CUDA
-                graphs, allocator, the LM's attention kernel, flow backend): end-to-end RTF, LM
+                graphs, allocator, the LM's attention kernel, flow backend, two workers sharing
+                the engine as ``run --workers 2``: stage streams and the capture gate; wall time
+                only, as per-stage timing would serialise them): end-to-end RTF, LM
                 tokens/s, live slot fraction, the timed part's graph replays / eager steps /
                 captures (warm-up captures every graph the segments reach, untimed), peak memory
   upstream      upstream's per-utterance loop on --upstream-items segments (skipped, with the
@@ -65,6 +67,7 @@ def ours(precision: str = "bf16", slots: int = 64, graphs: bool = True, **more) 
 PLAN = [
     ours(),
     {"kind": "upstream"},
+    ours(workers=2),
     ours(allocator="native"),
     ours(graphs=False),
     ours(lm_attention="math"),
@@ -78,6 +81,7 @@ PLAN = [
 DRY_PLAN = [
     ours("fp32", 4),
     {"kind": "upstream"},
+    ours("fp32", 4, workers=2),
     ours("fp32", 2, False),
     {"kind": "asr"},
     ours("fp32", 4, allocator="native"),
@@ -90,7 +94,7 @@ def row_name(row: dict) -> str:
     if row["kind"] != "ours":
         return row["kind"]
     parts = [row["precision"], f"{row['slots']} slots", "graphs" if row["cuda_graphs"] else "eager"]
-    parts += [f"{k}={row[k]}" for k in ("allocator", "lm_attention", "flow_backend") if k in row]
+    parts += [f"{k}={row[k]}" for k in ("allocator", "lm_attention", "flow_backend", "workers") if k in row]
     return "ours " + " ".join(parts)
 
 
@@ -264,6 +268,8 @@ def worker_cmd(path: str, model: Path, device: str, texts: list, row: dict) -> l
         cmd += ["--flow-backend", row["flow_backend"]]
     if row.get("lm_attention", "default") != "default":
         cmd += ["--lm-attention", row["lm_attention"]]
+    if row.get("workers", 1) != 1:
+        cmd += ["--workers", str(row["workers"])]
     return cmd
 
 
@@ -308,7 +314,7 @@ def skip_reason(row: dict, device: str) -> str | None:
 # -- the figures --------------------------------------------------------------------------------
 # Left out of the printed summary (in the row's name, or text): the JSON file has them.
 NOT_PRINTED = ("kind", "path", "precision", "slots", "cuda_graphs", "cosybatch", "configure_note",
-               "error", "lm_attention", "flow_backend")
+               "error", "lm_attention", "flow_backend", "workers")
 
 
 def _rounded(value):
@@ -449,7 +455,8 @@ def main() -> None:
                     if path == "upstream":
                         upstream_rtf = out["rtf"]
                     else:
-                        lm_s = out.get("lm_seconds")
+                        # With two workers the LM's seconds are not synchronised (nor meaningful).
+                        lm_s = out.get("lm_seconds") if out.get("workers", 1) == 1 else None
                         out["lm_tokens_per_s"] = round(out["lm_tokens"] / lm_s, 1) if lm_s else None
                         if upstream_rtf:
                             out["speedup_vs_upstream"] = round(upstream_rtf / out["rtf"], 2)
