@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# A plain checkout (the GPU machine has cosybatch installed nowhere): this tree's package first, or
+# the baseline's tree for the baseline path's child (main() names it in COSYBATCH_E2E_TREE).
+sys.path.insert(0, os.environ.get("COSYBATCH_E2E_TREE") or str(ROOT))
 BASELINE = "5acef70"  # the last commit before the slot pool
 
 
@@ -39,8 +42,34 @@ def segments_spec(n: int) -> list[list[int]]:
     return [[rng.randrange(900) for _ in range(rng.randint(3, 15))] for _ in range(n)]
 
 
+def _counts(engine) -> dict:
+    """The LM pool's counters summed over the engine's calls so far ({} on a cosybatch without them)."""
+    totals = getattr(getattr(engine, "pipeline", None), "totals", None)
+    return dict(totals.as_dict()) if totals is not None and hasattr(totals, "as_dict") else {}
+
+
+def _capture_ahead(engine, texts: list) -> int:
+    """Capture the LM's CUDA graphs for every decode shape these segments can reach, so that the
+    timed part replays only (warm-up, outside the timing). Returns the graphs captured."""
+    pool = getattr(engine.lm, "_pool", None)
+    if pool is None or not getattr(pool, "use_graphs", False) or not hasattr(pool, "capture_ahead"):
+        return 0
+    # A segment's positions: its prompt (text, control ids) and 20 speech tokens per text token.
+    longest = max(21 * len(t) for t in texts) + 16
+    keys = [k for k in pool.graph_keys() if k[1] - 256 < longest]
+    return pool.capture_ahead(keys).graphs
+
+
 def worker(args) -> None:
     """Load one path's model, then time it on the segments; print one JSON line."""
+    try:
+        from cosybatch.gpu import configure_allocator  # the production allocator, before torch loads
+    except ImportError:  # the baseline path, before cosybatch.gpu existed
+        configure_note = "cosybatch.gpu missing: torch's default allocator"
+    else:
+        configure_note = configure_allocator()
+    import contextlib
+
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -61,6 +90,7 @@ def worker(args) -> None:
         extra["cuda_graphs"] = False
     if args.flow_backend != "torch":
         extra["flow_backend"] = args.flow_backend
+    allocator = torch.cuda.get_allocator_backend() if device == "cuda" else None
     engine = open_engine("cosyvoice", None, EngineOptions(device=device, threads=1, engine=CosyVoiceOptions(
         model=Path(args.model), speaker="alice", precision=args.precision, **extra)))
     with torch.no_grad():
@@ -72,17 +102,32 @@ def worker(args) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    def stage_sync():
+        # Per-stage timing syncs the whole device, which would serialise two workers' stages: with
+        # more than one worker only the wall time (and the LM's token count) is measured.
+        if args.workers == 1:
+            sync()
+
     lm = {"seconds": 0.0, "tokens": 0, "slot_steps": 0, "live_slot_steps": 0}
     stage_s = {"flow": 0.0, "hift": 0.0}
     # The engine calls decode() where it has one (the slot pool), else generate().
     lm_method = "decode" if hasattr(engine.lm, "decode") else "generate"
     original = getattr(engine.lm, lm_method)
 
+    if args.lm_attention == "math":  # the LM's attention forced onto the math kernel (the "unfused" figure)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def attention():
+            return sdpa_kernel([SDPBackend.MATH])
+    else:
+        attention = contextlib.nullcontext
+
     def timed_lm(*a, **k):
-        sync()
+        stage_sync()
         t = time.perf_counter()
-        out = original(*a, **k)
-        sync()
+        with attention():
+            out = original(*a, **k)
+        stage_sync()
         lm["seconds"] += time.perf_counter() - t
         tokens, stats = out if lm_method == "decode" else (out, getattr(engine.lm, "last_stats", None))
         lm["tokens"] += sum(len(x) for x in tokens)
@@ -93,10 +138,10 @@ def worker(args) -> None:
 
     def timed(stage, fn):
         def wrapper(*a, **k):
-            sync()
+            stage_sync()
             t = time.perf_counter()
             out = fn(*a, **k)
-            sync()
+            stage_sync()
             stage_s[stage] += time.perf_counter() - t
             return out
         return wrapper
@@ -109,12 +154,33 @@ def worker(args) -> None:
         order = sorted(range(len(segments)), key=lambda i: -len(segments[i].text_tokens))
 
         def run(segs):
-            for s in range(0, len(segs), size):
-                chunk = [segs[i] for i in order if i < len(segs)][s : s + size]
+            ordered = [segs[i] for i in order if i < len(segs)]
+            # Two workers (as `cosybatch run --workers 2` on a GPU) share the engine: smaller batches,
+            # so that one's flow and vocoder can overlap the other's decoding.
+            step = size if args.workers == 1 else max(1, -(-len(ordered) // (2 * args.workers)))
+            chunks = [ordered[s : s + step] for s in range(0, len(ordered), step)]
+
+            def one(chunk):
                 engine.synthesize([Unit(k, 0, 1, "", seg) for k, seg in enumerate(chunk)])
 
-    run(segments[:2])  # warm-up
+            if args.workers == 1:
+                for chunk in chunks:
+                    one(chunk)
+            else:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(args.workers) as pool:
+                    list(pool.map(one, chunks))
+
     setattr(engine.lm, lm_method, timed_lm)
+    run(segments[:2])  # warm-up
+    graphs_ahead = 0
+    if args.worker == "ours":
+        with attention():
+            graphs_ahead = _capture_ahead(engine, texts)
+    sync()
+    lm.update(seconds=0.0, tokens=0, slot_steps=0, live_slot_steps=0)
+    counts_before = _counts(engine)
     engine.t2w.mels = timed("flow", engine.t2w.mels)
     engine.t2w.vocode = timed("hift", engine.t2w.vocode)
     if device == "cuda":
@@ -125,11 +191,23 @@ def worker(args) -> None:
     sync()
     wall = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    # The driver's count (CUDA graph memory included, which torch's counters may miss) with the run's
+    # memory still held: the pool, the KV cache and the graphs.
+    used = (lambda f, t: int(t - f))(*torch.cuda.mem_get_info()) if device == "cuda" else None
     live = lm["live_slot_steps"] / lm["slot_steps"] if lm["slot_steps"] else None
+    after = _counts(engine)
+    counts = {k: after[k] - counts_before.get(k, 0) for k in ("steps", "graphs", "graph_replays", "eager_steps",
+                                                             "capture_failures", "host_syncs") if k in after}
+    pool_info = getattr(engine, "pool_info", None) or {}
     print(json.dumps({"path": args.worker, "wall": wall, "cosybatch": str(Path(cosybatch.__file__).parent),
                       "lm_seconds": lm["seconds"], "lm_tokens": lm["tokens"], "live_fraction": live,
                       "flow_seconds": stage_s["flow"], "hift_seconds": stage_s["hift"],
-                      "peak_bytes": peak}))
+                      "peak_bytes": peak, "device_used_bytes": used, "allocator": allocator,
+                      "configure_note": configure_note, "workers": args.workers,
+                      "graphs_captured_in_warm_up": graphs_ahead,
+                      "timed_lm_pool": counts, "graph_room_bytes": pool_info.get("graph_room_bytes"),
+                      "stage_streams": getattr(getattr(engine, "pipeline", None), "streams", None) is not None
+                      and engine.pipeline.streams.enabled}))
 
 
 def upstream_runner(engine, model_dir: Path, device: str):
@@ -194,6 +272,9 @@ def main() -> None:
     ap.add_argument("--lm-slots", type=int, default=None, help="decode slots (default: the engine's)")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--flow-backend", default="torch", help="ours: torch, onnx or tensorrt (the engine option)")
+    ap.add_argument("--workers", type=int, default=1, help="ours: threads sharing the engine (as run --workers)")
+    ap.add_argument("--lm-attention", choices=("default", "math"), default="default",
+                    help="ours: math forces the LM's attention onto SDPA's math kernel (for comparison)")
     ap.add_argument("--worker", choices=("ours", "baseline", "upstream"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--segments", help=argparse.SUPPRESS)
@@ -217,6 +298,7 @@ def main() -> None:
                 env = dict(os.environ)
                 if path == "baseline":
                     env["PYTHONPATH"] = str(old) + os.pathsep + env.get("PYTHONPATH", "")
+                    env["COSYBATCH_E2E_TREE"] = str(old)
                 proc = subprocess.run(
                     [sys.executable, __file__, "--worker", path, "--model", str(model), "--device", args.device,
                      "--precision", args.precision, "--segments", json.dumps(texts),

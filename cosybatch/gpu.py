@@ -19,6 +19,7 @@ Order in a run:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -307,9 +308,68 @@ def setup_pool(fraction: float, device: torch.device | str = "cuda", headroom_by
     return PoolInfo(total, fraction, cap, model, size, seconds, backend, reserved, tuple(notes))
 
 
+# -- CUDA graph capture and the other workers -------------------------------------------------
+class CaptureGate:
+    """Keeps the process's other GPU work out of a CUDA graph capture.
+
+    The caching allocator's "capture under way" state is process-wide: a free or an allocation from
+    another thread (a second worker's flow or vocoder) while the LM records a graph can break the
+    capture or the graph. Capture takes the gate alone (:meth:`capture`); other stages take it
+    shared (:meth:`work`), so they run side by side and only wait while a graph is being recorded
+    (rare: once per decode shape). A waiting capture holds back new work, so it is not starved.
+    Do not nest: a thread inside :meth:`work` must not call :meth:`capture` or :meth:`work` again.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self._cond = threading.Condition()
+        self._working = 0
+        self._capturing = False
+        self._waiting = 0
+        self.captures = 0  # captures that took the gate (for tests and statistics)
+
+    @property
+    def capturing(self) -> bool:
+        return self._capturing
+
+    @contextlib.contextmanager
+    def capture(self):
+        with self._cond:
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._capturing and self._working == 0)
+            finally:
+                self._waiting -= 1
+            self._capturing = True
+            self.captures += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._capturing = False
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def work(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._capturing and self._waiting == 0)
+            self._working += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._working -= 1
+                self._cond.notify_all()
+
+
+CAPTURE_GATE = CaptureGate()
+
+
 # -- statistics and failures ------------------------------------------------------------------
 def memory_stats(device: torch.device | str | int | None = None) -> dict:
-    """Peak allocated, reserved, peak reserved bytes and fragmentation (1 - allocated / reserved).
+    """Peak allocated, reserved, peak reserved bytes, fragmentation (1 - allocated / reserved), and
+    the bytes the driver says are in use on the device (graph memory included).
 
     ``{}`` when torch is not imported or CUDA is not initialised (the CPU case): reporting never
     initialises CUDA.
@@ -322,11 +382,15 @@ def memory_stats(device: torch.device | str | int | None = None) -> dict:
             return {}
         allocated = int(torch.cuda.memory_allocated(device))
         reserved = int(torch.cuda.memory_reserved(device))
+        free, total = (int(x) for x in torch.cuda.mem_get_info(device))
         return {
             "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
             "reserved_bytes": reserved,
             "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
             "fragmentation": 1.0 - allocated / reserved if reserved > 0 else 0.0,
+            # The driver's view: everything this process (and any other) holds on the GPU, CUDA graph
+            # memory included, which torch's counters miss under cudaMallocAsync before torch 2.12.
+            "device_used_bytes": total - free,
         }
     except (AttributeError, AssertionError, RuntimeError, ValueError):
         return {}

@@ -4,15 +4,19 @@ in its slot pool) -> mel (the flow) -> waveform (the HiFT vocoder).
 The LM decodes every segment at once; the flow and the vocoder then take the segments regrouped
 by the speech tokens the LM really made, longest first, each stage in its own batch sizes (the
 flow's cost grows faster than linearly with length, see :func:`flow_cost`). A GPU out-of-memory
-error in the flow or the vocoder halves the chunk (:func:`split_on_oom`), so the LM's tokens are
-kept. The engine adapter (``cosybatch.engines.cosyvoice``) builds the :class:`Segment` s and calls
+error in the LM, the flow or the vocoder halves that stage's chunk (:func:`split_on_oom`), so the
+tokens the LM made are kept. On CUDA (with cudaMallocAsync) the LM and token-to-wave run on
+streams of their own (:class:`StageStreams`), so one worker's flow overlaps another's decoding.
+The engine adapter (``cosybatch.engines.cosyvoice``) builds the :class:`Segment` s and calls
 :meth:`Pipeline.synthesize`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -105,6 +109,58 @@ class Token2Wav:
         return self.vocode(self.mels(items, seeds), seeds)
 
 
+class StageStreams:
+    """The LM and token-to-wave (flow and vocoder) on CUDA streams of their own, ordered by events.
+
+    One stream for the LM (one decode runs at a time) and one per worker thread for token-to-wave,
+    so with two workers one's flow and vocoder run while the other decodes, instead of queueing
+    behind each other on one stream. A batch's token-to-wave stream waits for the event its LM
+    stream recorded after decoding (a device-side wait, no host sync). Each stage also waits for
+    the default stream at its start (work queued there before, by any thread). Its inputs from the
+    LM are host lists and its output goes to the host, so no device tensor changes streams.
+
+    Only with cudaMallocAsync: its memory pool serves every stream, while the native allocator
+    caches freed blocks per stream, so the pool cosybatch reserves (on the default stream) would be
+    out of reach of the others. On CPU, and with the native allocator, both stages run in place
+    (the same code path, ``enabled`` False).
+    """
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cuda" and torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+        self.device = device
+        self._lm = torch.cuda.Stream(device) if self.enabled else None
+        self._local = threading.local()
+
+    def _t2w_stream(self):
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return stream
+
+    @contextlib.contextmanager
+    def lm(self):
+        """Run the LM in here; yields a callable that records the "tokens made" event (or None)."""
+        if not self.enabled:
+            yield lambda: None
+            return
+        self._lm.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._lm):
+            yield lambda: self._lm.record_event()
+
+    @contextlib.contextmanager
+    def token2wav(self, after):
+        """Run the flow and the vocoder in here, on this thread's stream, after event ``after``."""
+        if not self.enabled:
+            yield
+            return
+        stream = self._t2w_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            yield
+
+
 @dataclass
 class Pipeline:
     """The LM, the flow and the vocoder of one model folder, with each stage's batch sizes.
@@ -120,11 +176,25 @@ class Pipeline:
     hift_batch: int
     segment_tokens: int
     cuda_graphs: bool = True
+    # The LM's pool statistics summed over every call (stats.json's engine_stats).
+    totals: PoolStats = field(default_factory=PoolStats, init=False)
+
+    def __post_init__(self) -> None:
+        self._totals_lock = threading.Lock()
+        self.streams = StageStreams(self.t2w.device)
 
     def synthesize(self, segs: Sequence[Segment]) -> tuple[list[np.ndarray], PoolStats, list[dict]]:
         """One waveform per segment (empty where the LM made no tokens), the LM's pool statistics,
         and per segment what the LM did: why it stopped, its tokens and how they repeat (for QC)."""
-        tokens, lm_stats, lm_info = self.decode(segs)
+        with self.streams.lm() as record:
+            tokens, lm_stats, lm_info = self.decode(segs)
+            made = record()
+        with self._totals_lock:
+            self.totals.add(lm_stats)
+        with self.streams.token2wav(made):
+            return self._token2wav(segs, tokens), lm_stats, lm_info
+
+    def _token2wav(self, segs: Sequence[Segment], tokens: list[list[int]]) -> list[np.ndarray]:
         items = [
             FlowInput(torch.tensor(t, dtype=torch.long), s.voice.embedding, s.voice.prompt_tokens, s.voice.prompt_mel)
             for s, t in zip(segs, tokens, strict=True)
@@ -142,11 +212,12 @@ class Pipeline:
         audio: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
         for i, wav in self.vocode(mels, seeds).items():
             audio[i] = wav
-        return audio, lm_stats, lm_info
+        return audio
 
     def decode(self, segs: Sequence[Segment]) -> tuple[list[list[int]], PoolStats, list[dict]]:
-        """Speech tokens per segment (the family's finishing rule applied), decoded in the slot
-        pool; the pool statistics; per segment its stop reason and repetition (of the raw tokens)."""
+        """Speech tokens per segment (the family's finishing rule applied), decoded in the slot pool;
+        on a GPU out-of-memory error, in halves (the pool's statistics summed); per segment its stop
+        reason and repetition (of the raw tokens)."""
         requests = [
             LMRequest(
                 text=s.text_tokens,
@@ -157,7 +228,15 @@ class Pipeline:
             )
             for s in segs
         ]
-        tokens, lm_stats = self.lm.decode(requests, self.sampling, slots=self.lm_slots, cuda_graphs=self.cuda_graphs)
+        lm_stats = PoolStats()
+
+        def run(chunk: list[int]) -> list[list[int]]:
+            tokens, stats = self.lm.decode([requests[i] for i in chunk], self.sampling, slots=self.lm_slots,
+                                           cuda_graphs=self.cuda_graphs)
+            lm_stats.add(stats)
+            return tokens
+
+        tokens = split_on_oom(list(range(len(requests))), run) if requests else []
         info = [{"stop": r.stop, "tokens": len(t), **token_repetition(t)}
                 for r, t in zip(requests, tokens, strict=True)]
         return [self.lm.finish_tokens(t) for t in tokens], lm_stats, info
@@ -169,7 +248,8 @@ class Pipeline:
         budget = self.flow_batch * flow_cost(self.t2w.flow.mel_frames(self.segment_tokens))
         mels: dict[int, torch.Tensor] = {}
         for chunk in stage_batches(by_frames, {i: flow_cost(f) for i, f in frames.items()}, self.flow_batch, budget):
-            made = split_on_oom(chunk, lambda c: self.t2w.mels([items[i] for i in c], [seeds[i] for i in c]))
+            made = split_on_oom(chunk, lambda c: _gated_call(self.t2w.mels, [items[i] for i in c],
+                                                             [seeds[i] for i in c]))
             for i, mel in zip(chunk, made, strict=True):
                 mels[i] = mel
         return mels
@@ -179,10 +259,19 @@ class Pipeline:
         lengths = {i: mel.size(1) for i, mel in mels.items()}
         audio: dict[int, np.ndarray] = {}
         for chunk in stage_batches(sorted(lengths, key=lambda i: -lengths[i]), lengths, self.hift_batch):
-            wavs = split_on_oom(chunk, lambda c: self.t2w.vocode([mels[i] for i in c], [seeds[i] for i in c]))
+            wavs = split_on_oom(chunk, lambda c: _gated_call(self.t2w.vocode, [mels[i] for i in c],
+                                                             [seeds[i] for i in c]))
             for i, wav in zip(chunk, wavs, strict=True):
                 audio[i] = wav
         return audio
+
+
+def _gated_call(fn, *args):
+    """``fn(*args)`` while no CUDA graph is being captured (see :class:`cosybatch.gpu.CaptureGate`)."""
+    from ..gpu import CAPTURE_GATE
+
+    with CAPTURE_GATE.work():
+        return fn(*args)
 
 
 def split_on_oom(chunk: list[int], run) -> list:

@@ -207,6 +207,10 @@ class Engine(abc.ABC):
         """The GPU pool this engine pre-allocated and the batch budget its probe measured."""
         return MemoryPlan()
 
+    def runtime_stats(self) -> dict:
+        """Engine counters for stats.json's ``engine_stats`` (CosyVoice: its LM's CUDA graphs); {} if none."""
+        return {}
+
 
 def item_seed(job_seed: int, item_id: str, part: int, attempt: int = 0) -> int:
     """The seed of one piece's randomness: the same for the same (job seed, id, piece, attempt) in

@@ -24,12 +24,18 @@ ENTRY_POINT_GROUP = "cosybatch.engines"
 DEFAULT_ENGINE = "piper"  # speaks real English on any machine with nothing to download
 
 
+# The built-in engines as pyproject.toml registers them: found also from a plain checkout, where
+# cosybatch is not installed and so has no entry points (the GPU machine runs the benchmarks so).
+BUILT_IN = {"piper": "cosybatch.engines.piper:PiperEngine", "cosyvoice": "cosybatch.engines.cosyvoice:CosyVoiceEngine"}
+
+
 @functools.cache
 def _entry_points() -> dict:
     """Scanned once per process (about 13 ms here; the job asks for its engine class often)."""
-    from importlib.metadata import entry_points
+    from importlib.metadata import EntryPoint, entry_points
 
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    built_in = {name: EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in BUILT_IN.items()}
+    return built_in | {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 # Engines registered by `register_engine` in this process (a notebook, a test): found before the

@@ -217,7 +217,8 @@ class LocalRunner(Runner):
                 "device": self.device,
                 "batch_size_limit": self.policy.batch_size, "batch_budget": self.policy.batch_budget,
                 "workers": self.workers, "budget_changes": list(self.policy.guard.changes),
-                "gpu_memory": memory_stats(), "memory_pool": engine.memory_plan().pool}
+                "gpu_memory": memory_stats(), "memory_pool": engine.memory_plan().pool,
+                "engine_stats": engine.runtime_stats()}
 
     def _write_corpus_changes(self, job: Job) -> Optional[dict]:
         """After --allow-corpus-change: list the committed ids whose row changed or is gone."""

@@ -172,6 +172,10 @@ class DecoderLM(nn.Module):
         """The pool of the last call when it fits (its CUDA graphs stay valid), else a new one."""
         pool = self._pool
         if pool is None or not pool.fits(slots, capacity, max_steps, sampling, cuda_graphs, check_every):
+            if pool is not None and pool.hidden.device.type == "cuda":
+                # The LM may run on a stream of its own: let it finish with the old cache before the
+                # allocator (which orders a free by the default stream) hands that memory out again.
+                torch.cuda.synchronize(pool.hidden.device)
             self._pool = pool = None  # free the old cache before the new one is allocated
             self._pool = SlotPool(self, slots, _round_up(capacity, LENGTH_BUCKET),
                                   _round_up(max_steps, LENGTH_BUCKET), sampling, cuda_graphs, check_every)
@@ -243,15 +247,36 @@ class PoolStats:
     host_syncs: int = 0  # device -> host reads in the decode loop
     prefills: int = 0  # prefill forwards
     graphs: int = 0  # CUDA graphs captured
+    graph_replays: int = 0  # decode steps run by replaying a CUDA graph
+    eager_steps: int = 0  # decode steps run eagerly (CPU, graphs off, a graph's warm-up, a failed capture)
+    capture_failures: int = 0  # CUDA graph captures that failed (the pool then decodes eagerly)
 
     @property
     def live_fraction(self) -> float:
         return self.live_slot_steps / self.slot_steps if self.slot_steps else 1.0
 
+    def add(self, other: PoolStats) -> PoolStats:
+        """Add ``other``'s counts to these (several calls' totals); returns self."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
     def as_dict(self) -> dict:
         return {"steps": self.steps, "slot_steps": self.slot_steps, "live_slot_steps": self.live_slot_steps,
                 "live_fraction": round(self.live_fraction, 4), "host_syncs": self.host_syncs,
-                "prefills": self.prefills, "graphs": self.graphs}
+                "prefills": self.prefills, "graphs": self.graphs, "graph_replays": self.graph_replays,
+                "eager_steps": self.eager_steps, "capture_failures": self.capture_failures}
+
+
+def staged(values, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on ``device``. On CUDA through pinned memory
+    with ``non_blocking``: the copy is queued on the stream and the host goes on (a tensor built from a
+    list on the device is a synchronous copy). torch's pinned-memory cache keeps the buffer until the
+    copy has run. On CPU the same values, no copy."""
+    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -343,6 +368,7 @@ class SlotPool:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.stats = PoolStats()
+        self.capture_failures = 0  # over the pool's life (stats counts one call's)
 
     def fits(self, slots: int, capacity: int, max_steps: int, sampling: Sampling, cuda_graphs: bool,
              check_every: int) -> bool:
@@ -396,26 +422,24 @@ class SlotPool:
                 chunk = []
             chunk.append(item)
         self._prefill(chunk)
-        slots = torch.tensor([s for s, _ in placed], device=device)
         uniforms = torch.zeros(len(placed), self.max_steps, 2, dtype=torch.float64)
         for row, (s, w) in enumerate(placed):
             # A row's uniforms come from its own seed only, two per step, drawn ahead.
             rng = np.random.default_rng([int(w.seed) & 0xFFFFFFFFFFFFFFFF, 0x5EED])
             uniforms[row, : w.hi] = torch.from_numpy(rng.random((w.hi, 2)))
             self.owner[s], self.bound[s], self.left[s] = w, w.prompt.size(0), w.hi
-
-        def values(get) -> Tensor:
-            return torch.tensor([get(w) for _, w in placed], device=device)
-
-        self.pos[slots] = values(lambda w: w.prompt.size(0))
-        self.lo[slots] = values(lambda w: w.lo)
-        self.hi[slots] = values(lambda w: w.hi)
+        # Every per-row value in one staged copy (slot, position, lo, hi), the uniforms in another.
+        rows = staged([[s, w.prompt.size(0), w.lo, w.hi] for s, w in placed], torch.long, device)
+        slots = rows[:, 0]
+        self.pos[slots] = rows[:, 1]
+        self.lo[slots] = rows[:, 2]
+        self.hi[slots] = rows[:, 3]
         self.count[slots] = 0
         self.done[slots] = False
         self.nonfinite[slots] = False
         self.history[slots] = -1
         self.recent_live[slots] = False
-        self.uniforms[slots] = uniforms.to(device)
+        self.uniforms[slots] = staged(uniforms, torch.float64, device)
 
     def _prefill(self, placed: list[tuple[int, _Work]]) -> None:
         """One forward over the prompts of ``placed`` (right-padded), keys into their slots, and
@@ -426,12 +450,12 @@ class SlotPool:
         x = torch.zeros(len(placed), width, lm.hidden_size, device=device, dtype=self.hidden.dtype)
         for row, (_, w) in enumerate(placed):
             x[row, : lengths[row]] = w.prompt
-        slots = torch.tensor([s for s, _ in placed], device=device)
+        staging = staged([[s for s, _ in placed], lengths], torch.long, device)
+        slots, last = staging[0], staging[1] - 1
         # Right padding: a real position only sees earlier (real) ones; padded keys are written but
         # the first decode steps overwrite them before any row can see them.
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
         h = lm.body(x, self.positions[:width][None], _PrefillCache(self, slots), causal)
-        last = torch.tensor(lengths, device=device) - 1
         self.hidden[slots] = h[torch.arange(len(placed), device=device), last]
         self.stats.prefills += 1
 
@@ -445,8 +469,8 @@ class SlotPool:
         if not movers:
             return
         holes = [s for s in range(target) if self.owner[s] is None][: len(movers)]
-        src = torch.tensor(movers, device=self.hidden.device)
-        dst = torch.tensor(holes, device=self.hidden.device)
+        moves = staged([movers, holes], torch.long, self.hidden.device)
+        src, dst = moves[0], moves[1]
         for tensor in self._rows():
             tensor[dst] = tensor[src]
         self.done[src] = True
@@ -489,6 +513,7 @@ class SlotPool:
     def _run_step(self, n: int, window: int) -> None:
         if not self.use_graphs:
             self._step(n, window)
+            self.stats.eager_steps += 1
             return
         key = (n, window)
         graph = self.graphs.get(key)
@@ -503,32 +528,71 @@ class SlotPool:
             with torch.cuda.stream(self._stream):
                 if first:  # the first run is eager: it initialises what capture needs
                     self._step(n, window)
+                    self.stats.eager_steps += 1
                 else:
                     graph = self._capture(n, window)
             main.wait_stream(self._stream)
             if graph is None:
                 return
         graph.replay()
+        self.stats.graph_replays += 1
 
     def _capture(self, n: int, window: int) -> torch.cuda.CUDAGraph | None:
         """The step for (n, window) as a CUDA graph (recorded, not run); None, with graphs turned
-        off for this pool and the step run eagerly instead, if capture fails."""
+        off for this pool and the step run eagerly instead, if capture fails (counted in
+        ``capture_failures`` and warned).
+
+        Capture holds the process's capture gate (:data:`cosybatch.gpu.CAPTURE_GATE`): the
+        allocator's "capture under way" state is process-wide, so no other worker's flow or vocoder
+        allocates or frees while a graph is recorded."""
+        from ...gpu import CAPTURE_GATE
+
         graph = torch.cuda.CUDAGraph()
         try:
-            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
-            try:
-                self._step(n, window)
-            finally:
-                graph.capture_end()
+            with CAPTURE_GATE.capture():
+                graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+                try:
+                    self._step(n, window)
+                finally:
+                    graph.capture_end()
         except RuntimeError as exc:
             if "out of memory" in str(exc):
                 raise
-            log.warning("CUDA graph capture failed (%s); decoding without CUDA graphs", exc)
+            self.stats.capture_failures += 1
+            self.capture_failures += 1
+            log.warning("CUDA graph capture of the decode step (%d slots, %d positions) failed (%s); this pool "
+                        "decodes without CUDA graphs from now on", n, window, exc)
             self.use_graphs = False
             self._step(n, window)
+            self.stats.eager_steps += 1
             return None
         self.graphs[(n, window)] = graph
         return graph
+
+    def graph_keys(self) -> list[tuple[int, int]]:
+        """Every (slots, window) a decode step of this pool can run at: one CUDA graph each."""
+        windows = range(LENGTH_BUCKET, self.capacity + 1, LENGTH_BUCKET)
+        return [(n, w) for n in slot_buckets(self.slots) for w in windows]
+
+    def capture_ahead(self, keys: Sequence[tuple[int, int]], warm_up_only: bool = False) -> PoolStats:
+        """Warm up and capture the decode step's CUDA graphs for ``keys`` now (before the memory
+        pool is reserved and before workers start), instead of on their second use; with
+        ``warm_up_only``, just the eager warm-up step of each (so a caller can measure the capture's
+        memory apart). The steps run on the idle pool: every slot is done, and a request's admission
+        resets what they wrote."""
+        self.stats = PoolStats(graphs=len(self.graphs))
+        self.owner = [None] * self.slots
+        self.done.fill_(True)
+        for n, window in keys:
+            if not self.use_graphs:
+                break
+            if (n, window) not in self.graphs:
+                if (n, window) not in self._seen:
+                    self._run_step(n, window)  # the eager warm-up
+                if not warm_up_only:
+                    self._run_step(n, window)  # the capture, then one replay
+        self.stats.graphs = len(self.graphs) - self.stats.graphs
+        return self.stats
 
     def _step(self, n: int, window: int) -> None:
         """Sample one token per slot from ``hidden``, then run those tokens through the model."""

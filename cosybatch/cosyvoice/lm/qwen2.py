@@ -8,6 +8,7 @@ attention, SwiGLU), so no transformers version can change them. Attribute names 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def folded_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+    """A (B or 1, 1, T, keys) bool mask (True: attend) as the additive bias of folded grouped-query
+    attention: (B or 1, 1, groups * T, keys) in ``dtype``, 0 where attended and -inf elsewhere,
+    query row ``g * T + t`` of a key head's fold being query head ``g`` of that group at position t.
+    Built once per forward and shared by every layer."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+    if groups == 1:
+        return bias
+    b, _, t, keys = bias.shape
+    return bias[:, :, None].expand(b, 1, groups, t, keys).reshape(b, 1, groups * t, keys)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     half = x.size(-1) // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -78,7 +91,7 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Cache, layer: int, mask: Tensor) -> Tensor:
         """x: (B, T, H) new positions; the cache stores them and returns every key the rows see;
-        mask: (B or 1, 1, T, keys) bool."""
+        mask: (B or 1, 1, groups * T, keys) additive float bias, from :func:`folded_bias`."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -86,7 +99,13 @@ class Qwen2Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k, v = cache.update(layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        # Grouped-query attention as plain attention: the query heads that share a key head are
+        # folded into the query axis, so q, k and v have equal head counts and no K/V repeat or
+        # enable_gqa is needed, and the mask is a float bias: a shape the fused CUDA kernels take.
+        groups = self.heads // self.kv_heads
+        q = q.reshape(b, self.kv_heads, groups * t, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.reshape(b, self.heads, t, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -125,14 +144,17 @@ class Qwen2Model(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor, cache: Cache, mask: Tensor) -> Tensor:
-        """x: (B, T, H) embeddings at ``positions`` (B or 1, T); returns the final hidden states.
+        """x: (B, T, H) embeddings at ``positions`` (B or 1, T), mask (B or 1, 1, T, keys) bool
+        (True: attend); returns the final hidden states.
 
         Rotary angles are computed in fp32 and cast to the compute dtype, as upstream does."""
         freqs = positions[:, :, None].float() * self.inv_freq.float()[None, None, :]
         angles = torch.cat([freqs, freqs], dim=-1)
         cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]
+        c = self.config
+        bias = folded_bias(mask, c.num_attention_heads // c.num_key_value_heads, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
+            x = layer(x, cos, sin, cache, i, bias)
         return self.norm(x)
 
 

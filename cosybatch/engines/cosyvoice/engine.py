@@ -183,6 +183,11 @@ class CosyVoiceEngine(Engine):
         if self.device == "cpu":
             # Small ops: one thread per worker is fastest (several workers run side by side).
             torch.set_num_threads(max(1, options.threads))
+        else:
+            # fp32 matmuls (the vocoder, and everything under --precision fp32) on TF32 tensor cores:
+            # a 10-bit mantissa for the products, fp32 accumulation. Convolutions already do (cuDNN's
+            # default). Process-wide, as torch's setting is.
+            torch.set_float32_matmul_precision("high")
         check_flow_backend(opts.flow_backend, self.device)  # before any weights load
         self.flow_backend = opts.flow_backend
         defaults = STAGE_DEFAULTS[self.device]
@@ -268,12 +273,40 @@ class CosyVoiceEngine(Engine):
 
         # The LM's KV cache is one fixed slot pool, allocated first: like the weights, it is outside
         # the reserved pool and outside what the probe measures.
-        self.lm.slot_pool(self.lm_slots, self._slot_capacity(), 20 * self._longest_segment(), self.sampling,
-                          self.cuda_graphs)
-        pool = gpu.setup_pool(fraction, self.device, headroom_bytes=HEADROOM_BYTES)
+        slots = self.lm.slot_pool(self.lm_slots, self._slot_capacity(), 20 * self._longest_segment(), self.sampling,
+                                  self.cuda_graphs)
+        graph_room = self._capture_first(slots)
+        pool = gpu.setup_pool(fraction, self.device, headroom_bytes=HEADROOM_BYTES + graph_room)
         per_unit = self._probe()
         self.probed_budget = gpu.budget_from_probe(per_unit, pool.pool_bytes)
-        self.pool_info = asdict(pool) | {"bytes_per_cost_unit": per_unit, "probed_budget": self.probed_budget}
+        self.pool_info = asdict(pool) | {"bytes_per_cost_unit": per_unit, "probed_budget": self.probed_budget,
+                                         "graph_room_bytes": graph_room}
+
+    def _capture_first(self, slots) -> int:
+        """Capture the decode step's largest CUDA graph (every slot, the whole window) before the pool
+        is reserved and before any worker starts, and return the room the pool must leave for graphs.
+
+        Graph memory is outside the reserved pool: under cudaMallocAsync torch ignores the graph pool
+        handle, so each graph's memory comes from the driver beside the pool (and outside the cap);
+        under the native allocator all graphs share one private pool, which reuses the largest
+        graph's memory. The room is what the largest capture took from the driver (the driver's free
+        memory before and after; its eager warm-up runs first, outside the measurement, since the
+        pool reuses that memory), times the number of graphs the pool may capture under
+        cudaMallocAsync (the smaller ones need less: an upper bound), once under native. 0 without
+        CUDA graphs."""
+        torch = self._torch
+        if not slots.use_graphs:
+            return 0
+        largest = [(slots.slots, slots.capacity)]
+        self.pipeline.totals.add(slots.capture_ahead(largest, warm_up_only=True))
+        torch.cuda.synchronize()
+        free = int(torch.cuda.mem_get_info()[0])
+        stats = slots.capture_ahead(largest)
+        torch.cuda.synchronize()
+        measured = max(0, free - int(torch.cuda.mem_get_info()[0]))
+        self.pipeline.totals.add(stats)
+        graphs = len(slots.graph_keys()) if torch.cuda.get_allocator_backend() == "cudaMallocAsync" else 1
+        return measured * graphs
 
     def _probe(self) -> dict[str, float]:
         """Peak bytes per padded cost unit of each stage.
@@ -358,6 +391,14 @@ class CosyVoiceEngine(Engine):
         """Text tokens -> the speech tokens the planner expects of them (TOKENS_PER_TEXT_TOKEN,
         about 7 at 25 Hz for English) -> seconds at the family's token rate; the prompt's are not spoken."""
         return self._tokens_per_text_token() * len(piece.payload.text_tokens) / self.config.token_frame_rate
+
+    def runtime_stats(self) -> dict:
+        """The LM's slot pool over the run (stats.json's ``engine_stats.lm``): decode steps, CUDA graphs
+        captured and replayed, eager steps, failed captures (each also warned), host syncs."""
+        pool = self.lm._pool
+        return {"lm": self.pipeline.totals.as_dict() | {
+            "graphs_held": len(pool.graphs) if pool is not None else 0,
+            "stage_streams": self.pipeline.streams.enabled}}
 
     def batch_defaults(self) -> tuple[int, int]:
         """(segments per planner batch, padded cost per segment): a planner batch is the queue of

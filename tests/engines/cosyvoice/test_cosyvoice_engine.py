@@ -125,6 +125,12 @@ def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus
     assert plan["batches"] == stats["batches"] and plan["rows"] == 1 and plan["audio_seconds"] > 0
     assert plan["rate"]["from"] == str(out)
 
+    # stats.json counts the LM's decode steps: on CPU all eager, no CUDA graph captured or replayed.
+    lm_stats = json.loads((out / "stats.json").read_text())["engine_stats"]["lm"]
+    assert lm_stats["steps"] > 0 and lm_stats["eager_steps"] == lm_stats["steps"]
+    assert lm_stats["graphs"] == lm_stats["graph_replays"] == lm_stats["capture_failures"] == 0
+    assert lm_stats["stage_streams"] is False
+
 
 def test_stage_batches_follow_real_lengths_and_the_cost_budget():
     from cosybatch.cosyvoice.pipeline import FLOW_QUADRATIC_FRAMES, flow_cost, stage_batches
