@@ -16,6 +16,7 @@ import sys
 ROOT = os.path.realpath(os.environ["GPU_IMAGE_ROOT"])
 BLOCKED = frozenset(filter(None, os.environ.get("GPU_IMAGE_BLOCKED", "").split(",")))
 REPORT = os.environ.get("GPU_IMAGE_REPORT")
+PREFIX = os.path.realpath(sys.prefix)  # the venv running the test, wherever it is
 
 
 class GpuImageFinder(importlib.abc.MetaPathFinder):
@@ -53,7 +54,10 @@ def _report() -> None:
     for module in [type("script", (), {"__file__": sys.argv[0] if sys.argv else None}), *sys.modules.values()]:
         file = getattr(module, "__file__", None)
         file = os.path.realpath(file) if isinstance(file, str) else ""
-        if os.path.isfile(file) and file.startswith(ROOT + os.sep):  # not a made-up name (torch's _ops.py)
+        # The checkout's own modules: not a made-up name (torch's _ops.py), not the packages of a venv
+        # that lives inside the checkout (CI's .venv), not a compiled extension.
+        if os.path.isfile(file) and file.startswith(ROOT + os.sep) and file.endswith(".py") \
+                and not file.startswith(PREFIX + os.sep):
             files.add(file)
     with open(os.path.join(REPORT, f"{os.getpid()}.txt"), "w") as f:
         f.write("\n".join(sorted(files)))
