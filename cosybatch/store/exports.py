@@ -72,13 +72,20 @@ def iter_shard(path: Path) -> Iterator[tuple[str, dict, bytes]]:
                     del pending[key]
                     yield key, json.loads(entry["json"]), entry["wav"]
     except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
-        raise DamagedOutputError(f"{path} is unreadable ({type(exc).__name__}: {exc}); nothing was exported. "
-                                 "`cosybatch verify` shows the damage; rerun the job's `cosybatch run` "
-                                 "to repair the folder, then export again") from None
+        raise _damaged(path, exc) from None
     if pending:
-        raise DamagedOutputError(f"{path} holds {len(pending)} items without both their .wav and .json "
-                                 "members; nothing was exported. Rerun the job's `cosybatch run` to repair "
-                                 "the folder, then export again")
+        raise _unpaired(path, len(pending))
+
+
+def _damaged(path: Path, exc: Exception) -> DamagedOutputError:
+    return DamagedOutputError(f"{path} is unreadable ({type(exc).__name__}: {exc}); nothing was exported. "
+                              "`cosybatch verify` shows the damage; rerun the job's `cosybatch run` "
+                              "to repair the folder, then export again")
+
+
+def _unpaired(path: Path, count: int) -> DamagedOutputError:
+    return DamagedOutputError(f"{path} holds {count} items without both their .wav and .json members; nothing "
+                              "was exported. Rerun the job's `cosybatch run` to repair the folder, then export again")
 
 
 def iter_members(path: Path) -> Iterator[tuple[str, dict, int, int]]:
@@ -101,13 +108,9 @@ def iter_members(path: Path) -> Iterator[tuple[str, dict, int, int]]:
                     del pending[key]
                     yield key, json.loads(entry["json"]), *entry["wav"]
     except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
-        raise DamagedOutputError(f"{path} is unreadable ({type(exc).__name__}: {exc}); nothing was exported. "
-                                 "`cosybatch verify` shows the damage; rerun the job's `cosybatch run` "
-                                 "to repair the folder, then export again") from None
+        raise _damaged(path, exc) from None
     if pending:
-        raise DamagedOutputError(f"{path} holds {len(pending)} items without both their .wav and .json "
-                                 "members; nothing was exported. Rerun the job's `cosybatch run` to repair "
-                                 "the folder, then export again")
+        raise _unpaired(path, len(pending))
 
 
 def check_whole(root: Path) -> None:
