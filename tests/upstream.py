@@ -31,7 +31,12 @@ def load() -> types.SimpleNamespace:
         utils.__path__ = []
         sys.modules["matcha.utils"] = utils
         sys.modules["matcha.utils.pylogger"] = _empty_module("matcha.utils.pylogger", get_pylogger=logging.getLogger)
-    sys.modules.setdefault("torchaudio", _empty_module("torchaudio"))
+    # The torchaudio stand-in lives only while upstream's modules import: left in sys.modules, it
+    # passes for an installed torchaudio to every later test in the process (lhotse then asks it
+    # for a __version__ it does not have).
+    stub = None if "torchaudio" in sys.modules else _empty_module("torchaudio")
+    if stub is not None:
+        sys.modules["torchaudio"] = stub
     try:
         from cosyvoice.flow.decoder import CausalConditionalDecoder
         from cosyvoice.flow.flow import CausalMaskedDiffWithXvec
@@ -41,6 +46,9 @@ def load() -> types.SimpleNamespace:
         from cosyvoice.transformer.upsample_encoder import UpsampleConformerEncoder
     except ImportError as exc:  # pragma: no cover - a set-up error, reported as such
         raise RuntimeError(f"the upstream CosyVoice oracle is not installed ({exc}); run: {INSTALL_HINT}") from exc
+    finally:
+        if stub is not None and sys.modules.get("torchaudio") is stub:
+            del sys.modules["torchaudio"]
     return types.SimpleNamespace(
         CausalMaskedDiffWithXvec=CausalMaskedDiffWithXvec,
         CausalConditionalCFM=CausalConditionalCFM,

@@ -174,11 +174,12 @@ def test_a_disk_full_at_start_is_resumable_too(tmp_path):
         out = mnt / "out"
         run(RunConfig(corpus=corpus, out=out, progress="none", limit=1))
         filler = mnt / "filler"
-        with open(filler, "wb") as f:  # fill the disk to the last byte
+        # Fill the disk to the last byte. Unbuffered: a buffered writer would keep the block the
+        # disk refused and raise again when it is closed.
+        with open(filler, "wb", buffering=0) as f:
             try:
                 while True:
                     f.write(b"\0" * 65536)
-                    f.flush()
             except OSError:
                 pass
         proc = subprocess.run([sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out)],

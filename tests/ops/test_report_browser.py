@@ -88,7 +88,7 @@ def test_a_runs_own_page_in_chromium(tmp_path):
     from cosybatch.run.local import run
 
     browser = chromium()
-    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(12))
+    corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(6))
     out = tmp_path / "out"
     assert run(RunConfig(corpus=corpus, out=out, progress="none", qc="asr", qc_asr_rows="all")).status == "complete"
     manifest = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
@@ -98,11 +98,11 @@ def test_a_runs_own_page_in_chromium(tmp_path):
     page = Page(done.stdout)
     assert {c.attrs["data-id"] for c in page.find("circle", within="duration-vs-length")} == set(manifest)
     bars = page.find("rect", within="cer-histogram", class_="bar")
-    assert sum(int(b.attrs["data-count"]) for b in bars) == 12  # every clip was transcribed
+    assert sum(int(b.attrs["data-count"]) for b in bars) == 6  # every clip was transcribed
     players = page.find("audio")
-    assert {a.attrs["data-id"] for a in players} == set(manifest)  # 12 rows: all among the worst 20
+    assert {a.attrs["data-id"] for a in players} == set(manifest)  # 6 rows: all among the worst 20
     for a in players:
         assert a.attrs.get("data-loaded") == "1"
         assert abs(float(a.attrs["data-duration"]) - manifest[a.attrs["data-id"]]["duration_s"]) < 0.05
-    assert page.find("body")[0].attrs.get("data-audio-ready") == "12/12"
+    assert page.find("body")[0].attrs.get("data-audio-ready") == "6/6"
     assert len(page.find("polyline", within="throughput")) == 1
