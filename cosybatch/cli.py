@@ -471,11 +471,9 @@ def qc_cmd(
         settings = QCSettings("asr" if asr else "gate", asr_rows, sample, 0, "drop", Limits(max_cer=max_cer))
         transcriber = None
         if asr:
-            from .qc.asr import Transcriber, _runtime, normaliser, resolve_model
+            from .qc.asr import Transcriber, ready_model
 
-            _runtime()
-            normaliser("en")
-            transcriber = Transcriber(resolve_model(asr_model), device)
+            transcriber = Transcriber(ready_model(asr_model), device)
         summary = audit(out, settings, transcriber, seed=seed, report=report)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)

@@ -55,6 +55,14 @@ def resolve_model(path: Optional[Path]) -> Path:
     return path
 
 
+def ready_model(path: Optional[Path]) -> Path:
+    """The ASR model folder to load, once the runtime that runs it and the text normaliser that
+    scores it import: a usage error names whichever is missing."""
+    _runtime()
+    normaliser("en")
+    return resolve_model(path)
+
+
 def _runtime():
     try:
         import ctranslate2

@@ -163,6 +163,18 @@ def flags(signals: dict, lm: Optional[dict], z: Optional[float], limits: Limits,
     return [f for f in (*HARD, *SOFT) if f in raised]
 
 
+def assess(signals: dict, lm: Optional[dict], voice: str, history: PaceHistory, limits: Limits,
+           sentence_silence: float, attempt: int = 0, learn: bool = True) -> Verdict:
+    """A clip's verdict before any ASR and judgement: its speech-rate z against the voice's clips
+    so far, and the flags its signals raise. With `learn`, a clip raising no hard flag then joins
+    the voice's history (a run learns from first takes only)."""
+    z = history.z(voice, signals["s_per_unit"], limits.min_history)
+    raised = flags(signals, lm, z, limits, sentence_silence)
+    if learn and not any(f in HARD for f in raised):
+        history.add(voice, signals["s_per_unit"])
+    return Verdict(attempt, signals, raised, lm, z)
+
+
 @dataclass
 class Verdict:
     """One attempt's judgement, as recorded in KEY.json."""

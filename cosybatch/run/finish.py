@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import RunConfig
 from ..engines import RowRejected
-from ..qc.gate import HARD, PaceHistory, QCCounts, Verdict, flags, judge, wants_asr
+from ..qc.gate import PaceHistory, QCCounts, Verdict, assess, judge, wants_asr
 from ..qc.signals import measure
 from .executor import (
     BatchPolicy,
@@ -200,19 +200,13 @@ class RowFinisher:
             if attempt == 0:
                 self.counts.dead += 1
             return Take(p, attempt, error=str(exc), dead=True)
-        lim = self.settings.limits
         signals = measure(audio, engine.sample_rate, p.text, raw=p.parts).as_dict()
-        lm = _merge_lm(p.lm)
-        voice = p.label or engine.voice_name
-        z = self.history.z(voice, signals["s_per_unit"], lim.min_history)
-
-        raised = flags(signals, lm, z, lim, self.cfg.sentence_silence)
+        verdict = assess(signals, _merge_lm(p.lm), p.label or engine.voice_name, self.history, self.settings.limits,
+                         self.cfg.sentence_silence, attempt, learn=attempt == 0)
         if attempt == 0:
-            self.counts.first_take(raised)
-            if not any(f in HARD for f in raised):
-                self.history.add(voice, signals["s_per_unit"])
+            self.counts.first_take(verdict.flags)
         language = getattr(engine, "language", None) or p.row.language or text_language(p.text)
-        return Take(p, attempt, audio, Verdict(attempt, signals, raised, lm, z), language=language)
+        return Take(p, attempt, audio, verdict, language=language)
 
     def _wants_asr(self, take: Take) -> bool:
         if self.transcriber is None or not wants_asr(take.verdict, self.settings, self.cfg.seed, take.pending.row.id):

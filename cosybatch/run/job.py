@@ -560,12 +560,9 @@ def check_qc(cfg: RunConfig) -> Optional[Path]:
     anything is written, when it or the runtime to run it is missing."""
     if cfg.qc_settings().mode != "asr":
         return None
-    from ..qc.asr import _runtime, normaliser, resolve_model
+    from ..qc.asr import ready_model
 
-    _runtime()
-    model = resolve_model(cfg.qc_asr_model)
-    normaliser("en")  # the scoring's text normaliser is importable
-    return model
+    return ready_model(cfg.qc_asr_model)
 
 
 def open_transcriber(cfg: RunConfig, model: Optional[Path], device: str):

@@ -15,7 +15,7 @@ import tarfile
 from pathlib import Path
 from typing import Optional
 
-from ..qc.gate import HARD, PaceHistory, QCSettings, Verdict, flags, judge, qc_columns, wants_asr
+from ..qc.gate import PaceHistory, QCSettings, Verdict, assess, judge, qc_columns, wants_asr
 from ..qc.signals import measure
 from .checkpoint import MANIFEST_FILE, STATE_DIR
 from .distributed import output_dirs
@@ -47,12 +47,8 @@ def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, rep
             signals = measure(audio, rate, meta["text"], raw=[audio]).as_dict()
             made = meta.get("qc") if isinstance(meta.get("qc"), dict) else {}
             voice = meta.get("voice") or ""
-            z = history.z(voice, signals["s_per_unit"], settings.limits.min_history)
             silence = float((meta.get("settings") or {}).get("sentence_silence") or 0.0)
-            raised = flags(signals, made.get("lm"), z, settings.limits, silence)
-            if not any(f in HARD for f in raised):
-                history.add(voice, signals["s_per_unit"])
-            verdict = Verdict(0, signals, raised, made.get("lm"), z)
+            verdict = assess(signals, made.get("lm"), voice, history, settings.limits, silence)
             row = {"id": meta["id"], "key": key, "shard": str(shard.relative_to(root)), "voice": voice,
                    "text": meta["text"], "duration_s": meta["duration"]}
             rows.append(row)
