@@ -193,7 +193,7 @@ def run(ctx: typer.Context, **values) -> None:
             print(json.dumps(result, default=str))
             raise typer.Exit(EXIT_OK)
         if check:
-            from .run.job import check as check_job
+            from .run.preflight import check as check_job
 
             print(json.dumps(check_job(cfg), default=str))
             raise typer.Exit(EXIT_OK)
@@ -464,8 +464,8 @@ def qc_cmd(
 ) -> None:
     """Score a finished folder with the quality signals (and the ASR round trip): writes
     OUT/qc.parquet (one row per clip) and OUT/report.html, and never touches the shards."""
+    from .qc.audit import audit
     from .qc.gate import Limits, QCSettings
-    from .store.audit import audit
 
     try:
         settings = QCSettings("asr" if asr else "gate", asr_rows, sample, 0, "drop", Limits(max_cer=max_cer))

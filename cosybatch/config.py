@@ -157,7 +157,7 @@ class RunConfig:
     def _check_voices(self) -> None:
         """Parse --voice-pool and --voice-map (a string or a job spec's list / table) and check
         that the engine can speak what they name."""
-        from .pool import MODES, parse_pool, parse_voice_map
+        from .voices import MODES, parse_pool, parse_voice_map
 
         if self.voice_pool_mode not in MODES:
             raise UsageError(f"--voice-pool-mode must be {' or '.join(MODES)} (got {self.voice_pool_mode!r})")
@@ -173,8 +173,8 @@ class RunConfig:
                                  f"{entry.speaker!r} without '#'")
 
     def voice_router(self):
-        """The job's pools (cosybatch.pool.VoiceRouter)."""
-        from .pool import VoiceRouter
+        """The job's pools (cosybatch.voices.VoiceRouter)."""
+        from .voices import VoiceRouter
 
         return VoiceRouter(self.voice_pool, self.voice_map, self.voice_pool_mode, self.seed)
 

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 from .cache import file_sha256
 from .errors import CorpusError
-from .pool import check_language
+from .voices import check_language
 
 PARQUET_BATCH_ROWS = 4096
 # How many JSONL objects to look at before deciding a text field name is wrong for the whole file.

@@ -12,6 +12,17 @@ from typing import Optional
 log = logging.getLogger("cosybatch")
 
 
+@dataclass(frozen=True)
+class BatchWork:
+    """What one batch cost the engine: the figures stats.json sums (sent from ray-run's actors too)."""
+
+    size: int  # units in the batch
+    real_frames: int = 0
+    padded_frames: int = 0
+    infer_s: float = 0.0
+    oom_retries: int = 0  # splits in halves after running out of (GPU) memory
+
+
 @dataclass
 class Stats:
     """Counters for one invocation; `previous_*` carry what earlier runs of the job did."""
@@ -31,6 +42,15 @@ class Stats:
     previous_items_done: int = 0
     previous_items_failed: int = 0
     previous_audio_s: float = 0.0
+
+    def add_batch(self, work: BatchWork) -> None:
+        """One batch the engine ran (the run's own and the quality gate's retakes alike)."""
+        self.batches += 1
+        self.batch_sizes[work.size] += 1
+        self.real_frames += work.real_frames
+        self.padded_frames += work.padded_frames
+        self.oom_retries += work.oom_retries
+        self.stage_s["infer"] += work.infer_s
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started

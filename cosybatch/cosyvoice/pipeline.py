@@ -23,7 +23,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..qc.signals import token_repetition
 from .flow.cfm import FlowInput
 from .lm.pool import DecoderLM, LMRequest, PoolStats, Sampling
 from .model import ModelConfig, load_flow, load_hift, read_config
@@ -306,3 +305,22 @@ def stage_batches(order: list[int], cost: dict[int, float], max_items: int,
         else:
             chunks.append([i])
     return chunks
+
+
+def token_repetition(tokens: Sequence[int]) -> dict:
+    """For an LM's speech tokens: the longest run of one token, and the share of 4-grams that
+    occur more than once (loops and babble repeat; CosyVoice issue #1877 flags runs of 25)."""
+    longest = run = 0
+    prev = None
+    for t in tokens:
+        run = run + 1 if t == prev else 1
+        prev = t
+        longest = max(longest, run)
+    grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
+    repeated = 0.0
+    if grams:
+        counts: dict = {}
+        for g in grams:
+            counts[g] = counts.get(g, 0) + 1
+        repeated = sum(c for c in counts.values() if c > 1) / len(grams)
+    return {"token_run": longest, "repeat_4gram": round(repeated, 4)}

@@ -251,22 +251,6 @@ def wants_asr(verdict: Verdict, settings: QCSettings, seed: int, item_id: str) -
     return settings.asr_rows == "sample" and sampled(seed, item_id, settings.sample)
 
 
-# The manifest's QC columns (store/checkpoint.py OPTIONAL_MANIFEST_COLUMNS), from a KEY.json "qc".
-QC_COLUMNS = (("qc_pass", "bool_"), ("qc_flags", "string"), ("qc_score", "float64"), ("qc_cer", "float64"),
-              ("qc_wer", "float64"), ("qc_attempts", "int32"), ("qc_z", "float64"),
-              ("qc_speech_share", "float64"), ("qc_s_per_unit", "float64"), ("qc_asr_text", "string"))
-
-
-def qc_columns(qc: dict) -> dict:
-    """A clip's QC record -> its manifest columns (flags comma-separated)."""
-    asr = qc.get("asr") or {}
-    signals = qc.get("signals") or {}
-    return {"qc_pass": qc.get("pass"), "qc_flags": ",".join(qc.get("flags", ())), "qc_score": qc.get("score"),
-            "qc_cer": asr.get("cer"), "qc_wer": asr.get("wer"), "qc_attempts": len(qc.get("attempts", ())) or 1,
-            "qc_z": qc.get("z"), "qc_speech_share": signals.get("speech_share"),
-            "qc_s_per_unit": signals.get("s_per_unit"), "qc_asr_text": asr.get("text")}
-
-
 @dataclass
 class QCCounts:
     """What the gate saw in one run, for stats.json "qc" (and merged across ray-run's actors)."""

@@ -152,22 +152,3 @@ def measure(audio: np.ndarray, sample_rate: int, text: str, raw: Sequence[np.nda
         units=units, s_per_unit=(voiced / units) if units and voiced > 0 else None,
         peak_db=_db(peak), rms_db=_db(rms), clipped=clipped, flatness=flatness(audio, speech, sample_rate),
     )
-
-
-def token_repetition(tokens: Sequence[int]) -> dict:
-    """For an LM's speech tokens: the longest run of one token, and the share of 4-grams that
-    occur more than once (loops and babble repeat; CosyVoice issue #1877 flags runs of 25)."""
-    longest = run = 0
-    prev = None
-    for t in tokens:
-        run = run + 1 if t == prev else 1
-        prev = t
-        longest = max(longest, run)
-    grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
-    repeated = 0.0
-    if grams:
-        counts: dict = {}
-        for g in grams:
-            counts[g] = counts.get(g, 0) + 1
-        repeated = sum(c for c in counts.values() if c > 1) / len(grams)
-    return {"token_run": longest, "repeat_4gram": round(repeated, 4)}

@@ -16,12 +16,11 @@ from collections.abc import Callable
 from typing import Optional
 
 from ..config import RunConfig
-from ..metrics import BatchHistogram
-from ..stats import Progress, Stats, failure_summary
-from ..store.checkpoint import FAILURES_FILE, Journal, ResumeState
+from ..store.checkpoint import Journal, ResumeState
 from ..store.shards import ShardWriter
-from .executor import Outcome, RowAssembler
-from .finish import RowFinisher
+from .executor import Outcome
+from .line import RowLine
+from .runner import Committed
 
 log = logging.getLogger("cosybatch")
 
@@ -29,20 +28,14 @@ DONE = object()  # put on a queue: no more work
 
 
 class Committer:
-    def __init__(self, cfg: RunConfig, journal: Journal, state: ResumeState, stats: Stats, progress: Progress,
-                 assembler: RowAssembler, finisher: RowFinisher, stop: threading.Event,
-                 uncommitted: threading.Semaphore, after_commit: Callable[[], None]):
-        self.cfg, self.journal, self.stats, self.progress = cfg, journal, stats, progress
-        self.assembler, self.finisher, self.stop, self.uncommitted = assembler, finisher, stop, uncommitted
-        self.after_commit = after_commit
+    def __init__(self, cfg: RunConfig, journal: Journal, state: ResumeState, line: RowLine,
+                 report: Callable[[Committed], None], stop: threading.Event, uncommitted: threading.Semaphore):
+        self.cfg, self.journal, self.line, self.report = cfg, journal, line, report
+        self.stop, self.uncommitted = stop, uncommitted
         self.shard = ShardWriter(cfg.out, state.open_shard, state.open_offset, state.open_items) \
             if state.open_shard is not None else None
         self.next_shard = state.next_shard
-        self.max_failed = cfg.failure_limit()[0]
-        self.too_many_failures = False
-        self.batch_seconds = BatchHistogram()
         self.error: Optional[BaseException] = None  # what ended the writer early, for the main thread
-
     def loop(self, results: queue.Queue, on_write_error: Callable[[OSError], BaseException]) -> None:
         """The writer thread: commit batches in plan order as they arrive, failures at once."""
         pending: dict[int, Outcome] = {}
@@ -74,39 +67,19 @@ class Committer:
             self.stop.set()
 
     def commit_failures(self, failures: list[dict]) -> None:
-        self.journal.append({"t": "failed", "ts": round(time.time(), 3), "items": failures})
-        self.stats.items_failed += len(failures)
-        self.progress.update(len(failures), 0.0)
-        total_failed = self.stats.previous_items_failed + self.stats.items_failed
-        if self.max_failed is not None and total_failed > self.max_failed and not self.too_many_failures:
-            rows = self.stats.previous_items_done + self.stats.items_done + total_failed
-            log.error("%s: stopping; see %s", failure_summary(total_failed, rows, self.cfg.max_failures),
-                      self.cfg.out / FAILURES_FILE)
-            self.too_many_failures = True
-            self.stop.set()
+        self._journal_failures(failures)
+        self.report(Committed(failed=len(failures)))
 
-    def account(self, outcome: Outcome) -> None:
-        """A batch's work in the statistics (the run's batches and the quality gate's retakes)."""
-        stats = self.stats
-        stats.batches += 1
-        stats.batch_sizes[len(outcome.batch.units)] += 1
-        stats.real_frames += outcome.real_frames
-        stats.padded_frames += outcome.padded_frames
-        stats.oom_retries += outcome.oom_retries
-        stats.stage_s["infer"] += outcome.infer_s
-        self.batch_seconds.observe(outcome.infer_s)
+    def _journal_failures(self, failures: list[dict]) -> None:
+        self.journal.append({"t": "failed", "ts": round(time.time(), 3), "items": failures})
 
     def commit_batch(self, outcome: Outcome) -> None:
+        """A synthesised batch through the rest of the line, then into the open shard and the journal."""
         t = time.monotonic()
-        stats = self.stats
-        self.account(outcome)
-        qc_s = self.finisher.seconds
-        rendered, failures = self.finisher.finish(self.assembler.take(outcome))
-        qc_s = self.finisher.seconds - qc_s
-        stats.stage_s["qc"] += qc_s
+        done = self.line.finish(outcome)
         items = []
         mtime = int(time.time())
-        for key, members, record in rendered:
+        for key, members, record in done.items:
             if self.shard is None:
                 self.shard = ShardWriter(self.cfg.out, self.next_shard)
                 self.next_shard += 1
@@ -116,17 +89,14 @@ class Committer:
             end = self.shard.commit()
             self.journal.append({"t": "items", "ts": round(time.time(), 3), "shard": self.shard.index,
                                  "end": end, "items": items})
-            stats.items_done += len(items)
-            audio_s = sum(i["duration_s"] for i in items)
-            stats.audio_s += audio_s
-            self.progress.update(len(items), audio_s)
-        if failures:
-            self.commit_failures(failures)
+        if done.failures:
+            self._journal_failures(done.failures)
         if self.shard is not None and (self.shard.items >= self.cfg.shard_max_items
                                        or self.shard.offset >= self.cfg.shard_max_bytes):
             self.close_shard()
-        stats.stage_s["write"] += time.monotonic() - t - qc_s
-        self.after_commit()
+        self.report(Committed(items=len(items), audio_s=sum(i["duration_s"] for i in items),
+                              failed=len(done.failures), batches=[o.work() for o in done.batches], qc=done.qc,
+                              qc_s=done.qc_s, write_s=time.monotonic() - t - done.qc_s))
 
     def close_shard(self) -> None:
         index, items = self.shard.index, self.shard.items

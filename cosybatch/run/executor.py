@@ -1,12 +1,11 @@
-"""One batch path for `run` and `ray-run`: engines by voice, batch sizing from the engine, the
-budget guard, out-of-memory split-and-retry, rows cut into pieces and put back together, and
-rendering a finished row into tar members and a manifest record."""
+"""The parts the row line (line.py) is built of: engines by voice (`EngineSet`), batch sizing
+from the engine and the budget guard (`BatchPolicy`), one batch through an engine with
+out-of-memory split-and-retry (`run_batch`), rows cut into pieces and put back together
+(`RowAssembler`), and a row's pieces joined into one clip (`assemble_audio`, `segment_times`)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -15,15 +14,13 @@ from typing import Optional
 
 import numpy as np
 
-from .. import __version__
 from ..config import RunConfig, cpu_count
 from ..corpus import Row
 from ..engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
 from ..errors import CosybatchError
 from ..plan import Batch, BudgetGuard, Unit, plan_batches
-from ..pool import PoolEntry, language_family
-from ..qc.gate import qc_columns
-from ..store.shards import item_key, wav_bytes, wav_checksum
+from ..stats import BatchWork
+from ..voices import PoolEntry, language_family
 
 log = logging.getLogger("cosybatch")
 
@@ -53,6 +50,9 @@ class Outcome:
     padded_frames: int = 0
     infer_s: float = 0.0
     oom_retries: int = 0
+
+    def work(self) -> BatchWork:
+        return BatchWork(len(self.batch.units), self.real_frames, self.padded_frames, self.infer_s, self.oom_retries)
 
 
 class ClipRejected(Exception):
@@ -116,75 +116,9 @@ def segment_times(parts: list, texts: Optional[list], sample_rate: int, cfg: Run
     return segments
 
 
-def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: RunConfig,
-                voice: Optional[str] = None, instruct: Optional[str] = None,
-                qc: Optional[dict] = None, extra: Optional[dict] = None,
-                segments: Optional[list] = None) -> tuple[str, dict, dict]:
-    """A finished row's clip (from `assemble_audio`) -> (shard key, tar members {ext: bytes},
-    manifest record). `voice` is the row's own voice when the engine serves several (fixed when
-    the row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `extra` the
-    row's speaker, prompt and language (KEY.json fields and manifest columns of the same names)
-    and its drawn settings (KEY.json "prosody"); `segments` where each piece is in the clip
-    (`segment_times`, KEY.json "segments")."""
-    key = item_key(row.id)
-    voice = voice or engine.voice_name
-    meta = {
-        "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
-        "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": voice,
-        "engine": engine.name, "seed": cfg.seed, "row": row.index,
-        "settings": {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence,
-                     "normalize": cfg.normalize, "cosybatch": __version__},
-    }
-    if instruct is not None:
-        meta["instruct"] = instruct
-    extra = extra or {}
-    for name in RECORDED:
-        if extra.get(name) is not None:
-            meta[name] = extra[name]
-    if extra.get("prosody"):
-        meta["prosody"] = extra["prosody"]
-    if text != row.text:
-        meta["source_text"] = row.text
-    if qc is not None:
-        meta["qc"] = qc
-    if segments is not None:
-        meta["segments"] = segments
-    wav = wav_bytes(audio, engine.sample_rate)
-    # What the audio was, so that verify (and a repair that re-reads it) can tell when it changed;
-    # the source hash, so that a repair adopts the item only for the same row.
-    meta["wav_sha256"] = wav_checksum(wav)
-    meta["source"] = source_hash(row)
-    members = {"wav": wav, "json": json.dumps(meta, ensure_ascii=False).encode()}
-    record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
-              "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate,
-              "source": meta["source"], "wav_sha256": meta["wav_sha256"]}
-    if instruct is not None:
-        record["instruct"] = instruct
-    for name in RECORDED:
-        if name in meta:
-            record[name] = meta[name]
-    if qc is not None:
-        record.update(qc_columns(qc))
-    return key, members, record
-
-
-RECORDED = ("speaker", "prompt", "language")  # KEY.json fields that are manifest columns too, when set
-
-
 def row_extra(pending: PendingRow) -> dict:
     """What `render_item` records of a finished row besides its voice and instruction."""
     return pending.meta or {}
-
-
-def source_hash(row: Row) -> str:
-    """What a row asked for (text, voice, prompt): a later corpus whose row differs is reported."""
-    fields = [row.text, row.voice, row.prompt_wav, row.prompt_text]
-    if row.instruct is not None or row.language is not None:  # only then: earlier hashes stay valid
-        fields.append(row.instruct)
-    if row.language is not None:
-        fields.append(row.language)
-    fields = json.dumps(fields, ensure_ascii=False)
-    return hashlib.blake2b(fields.encode(), digest_size=8).hexdigest()
 
 
 def run_batch(engine: Engine, batch: Batch, guard: Optional[BudgetGuard] = None) -> Outcome:

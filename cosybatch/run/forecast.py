@@ -1,7 +1,7 @@
 """`cosybatch run --plan-only`: how a run will go, before it runs. The corpus is read and every row
 prepared as the run would (the engine is opened: for Piper the voice's ONNX session, for CosyVoice
-the whole model), the rows are planned into batches by the run's own producer and batch policy,
-and nothing is synthesised or written.
+the whole model), the rows are admitted and planned into batches by the run's own row line
+(line.py: `RowLine.windows`) and batch policy, and nothing is synthesised or written.
 
 It says the rows, the rows that would fail before synthesis (and why, for the first few), the
 pieces, the predicted audio (each piece's `Engine.estimate_seconds`, plus --sentence-silence
@@ -18,20 +18,16 @@ only the rest.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
 from ..config import RunConfig
 from ..corpus import Row
-from ..stats import Stats
 from ..store.checkpoint import STATS_FILE
-from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler
-from .job import RowGate, check, open_corpus, part_config
-from .producer import Producer
+from .executor import BatchPolicy, EngineSet
+from .line import Admission, Reading, RowLine
+from .preflight import check, open_corpus, part_config
 
 # What a tar shard adds to an item's WAV samples: the WAV header, a 512-byte tar header per member
 # (KEY.wav and KEY.json), members padded to 512 bytes, and the KEY.json itself (about 1 KiB with
@@ -68,43 +64,6 @@ class _Estimating(EngineSet):
         return group, prepared, entry
 
 
-class _Counted:
-    """Stands in for the run's work queue: counts each batch the producer plans, and lets its rows
-    go (so a huge corpus is planned in the memory of one window)."""
-
-    def __init__(self, assembler: RowAssembler):
-        self.assembler = assembler
-        self.batches = 0
-        self.sizes: list[int] = []
-
-    def put(self, batch, timeout=None) -> None:
-        self.batches += 1
-        self.sizes.append(len(batch.units))
-        self.assembler.take(Outcome(batch, [np.zeros(0, dtype=np.float32)] * len(batch.units)))
-
-
-class _Failures:
-    """Stands in for the results queue: the rows that fail before synthesis."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.examples: list[dict] = []
-
-    def put(self, message) -> None:
-        _, failures = message
-        self.count += len(failures)
-        room = FAILURE_EXAMPLES - len(self.examples)
-        self.examples += failures[:max(0, room)]
-
-
-class _Unbounded:
-    def acquire(self, timeout=None) -> bool:
-        return True
-
-    def release(self) -> None:
-        pass
-
-
 def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
     """`run --check`'s result plus "plan": what a run of `cfg` would do (module docstring)."""
     t0 = time.monotonic()
@@ -116,26 +75,32 @@ def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
     default = engines.get(cfg.voice, from_row=False)
     open_s = time.monotonic() - t
     policy = BatchPolicy.for_engine(cfg, default)
-    assembler = RowAssembler()
-    work, failures = _Counted(assembler), _Failures()
-    stats = Stats()
-    producer = Producer(cfg, corpus, RowGate(set(), set(), cfg.max_chars), engines, assembler, policy, stats,
-                        threading.Event(), _Unbounded())
-    producer.run(work, failures)
+    line = RowLine(cfg, engines, policy, gate=None)  # nothing is synthesised, so nothing is judged
+    reading = Reading()
+    failed, examples, batches, units = 0, [], 0, 0
+    for kind, payload in line.windows(corpus, Admission(cfg), lambda: False, reading):
+        if kind == "failed":
+            failed += len(payload)
+            examples += payload[:max(0, FAILURE_EXAMPLES - len(examples))]
+            continue
+        for batch in payload:  # counted, then let go: a huge corpus is planned in the memory of one window
+            batches += 1
+            units += len(batch.units)
+            line.release(batch)
     plan: dict = {
-        "rows": engines.rows + failures.count,
+        "rows": engines.rows + failed,
         "rows_to_synthesise": engines.rows,
-        "rows_failing": failures.count,
-        **({"failing_examples": failures.examples} if failures.examples else {}),
+        "rows_failing": failed,
+        **({"failing_examples": examples} if examples else {}),
         "pieces": engines.pieces,
-        "batches": work.batches,
+        "batches": batches,
         "batch_size_limit": policy.batch_size,
         "batch_budget": policy.batch_budget,
-        "batch_size_mean": round(sum(work.sizes) / len(work.sizes), 2) if work.sizes else 0,
+        "batch_size_mean": round(units / batches, 2) if batches else 0,
         "engine": default.name, "voice": default.voice_name, "device": default.device,
     }
-    if producer.corpus_error is not None:
-        plan["corpus_error"] = str(producer.corpus_error)
+    if reading.corpus_error is not None:
+        plan["corpus_error"] = str(reading.corpus_error)
     if engines.seconds is None:
         plan.update(audio_seconds="unknown", audio_hours="unknown", disk_bytes="unknown")
     else:
@@ -152,8 +117,8 @@ def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
     else:
         plan["rate"] = None
         plan["wall_seconds"] = "unknown: give --rate AUDIO_S_PER_S, or run a sample first into the same output root"
-    plan["seconds"] = {"open_engine": round(open_s, 3), "read": round(stats.stage_s["read"], 3),
-                       "prepare": round(stats.stage_s["prepare"], 3), "total": round(time.monotonic() - t0, 3)}
+    plan["seconds"] = {"open_engine": round(open_s, 3), "read": round(reading.read_s, 3),
+                       "prepare": round(reading.prepare_s, 3), "total": round(time.monotonic() - t0, 3)}
     return {**checked, "plan": plan}
 
 

@@ -1,10 +1,12 @@
-"""`cosybatch run`: the job's rows synthesised on this machine, committed to the journal.
+"""`cosybatch run`: the job's rows made on this machine, through the row line, committed to the
+journal.
 
-Threads: the main thread reads and prepares rows and plans each window (the Producer);
-`workers` inference threads run batches (onnxruntime releases the GIL while it computes); one
-writer thread (the Committer) commits finished batches in plan order. Queues between them are
-bounded, so memory stays bounded. Everything around it (resume, limits, signals, stats) is the
-job's: `job.py`.
+Threads: the main thread reads, admits and prepares rows and plans each window (`RowLine.windows`);
+`workers` inference threads run batches (`RowLine.run`; onnxruntime and torch release the GIL while
+they compute); one writer thread (the Committer) finishes batches (`RowLine.finish`: the quality
+gate and its retakes) and commits them in plan order. Queues between them are bounded, and so is
+the number of batches dispatched but not yet committed, so memory stays bounded. Everything
+around it (resume, statistics, limits, signals) is the job's: `job.py`.
 """
 
 from __future__ import annotations
@@ -13,33 +15,30 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 from ..config import RunConfig
 from ..corpus import Corpus, Row
-from ..engines import RowRejected, engine_check
+from ..engines import RowRejected
 from ..errors import CorpusError
-from ..store.checkpoint import CORPUS_CHANGES_FILE, Journal, Ledger, differences, jsonl_bytes, write_atomic
-from ..store.distributed import shard_of
+from ..store.checkpoint import (
+    CORPUS_CHANGES_FILE,
+    Journal,
+    Ledger,
+    OutputDir,
+    differences,
+    jsonl_bytes,
+    write_atomic,
+)
+from ..store.items import source_hash
 from ..store.repair import check_sizes, repair
 from .committer import DONE, Committer
-from .executor import BatchPolicy, EngineSet, Outcome, RowAssembler, run_batch, source_hash
-from .finish import RowFinisher
-from .job import (
-    Job,
-    RowGate,
-    Runner,
-    RunResult,
-    _output_error,
-    check_device,
-    check_pool_voices,
-    check_qc,
-    configure_gpu_allocator,
-    open_transcriber,
-    part_config,
-    run_job,
-)
-from .producer import Producer
+from .executor import BatchPolicy, EngineSet, Outcome
+from .job import RunResult, _output_error, run_job
+from .line import Admission, Reading, RowLine, open_gate
+from .preflight import check_device, configure_gpu_allocator, open_transcriber, part_config
+from .runner import Dispatch, Dispatched, Ended, Resumed, Runner
 
 log = logging.getLogger("cosybatch")
 
@@ -51,35 +50,35 @@ def run(cfg: RunConfig) -> RunResult:
 
 class LocalRunner(Runner):
     def check(self, cfg: RunConfig) -> RunConfig:
-        configure_gpu_allocator(cfg)
-        # What `run --check` checks, before anything is written: a start that fails here leaves no folder.
+        configure_gpu_allocator(cfg)  # before anything may import torch
         check_device(cfg)
-        engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
-        check_pool_voices(cfg)
-        self.asr_model = check_qc(cfg)
         return part_config(cfg)
 
-    def start(self, job: Job) -> dict:
-        self.engines = EngineSet(job.cfg)
-        default = self.engines.get(job.cfg.voice, from_row=False)
+    def device(self, cfg: RunConfig) -> Optional[str]:
+        return None
+
+    def start(self, cfg: RunConfig, asr_model: Optional[Path]) -> dict:
+        self.cfg = cfg
+        self.engines = EngineSet(cfg)
+        default = self.engines.get(cfg.voice, from_row=False)
         self.default_engine = default
-        self.device = default.device
-        self.policy = BatchPolicy.for_engine(job.cfg, default)
+        self.policy = BatchPolicy.for_engine(cfg, default)
         self.workers = self.policy.workers
         self.dropped_batches = 0  # batches skipped after a stop request
-        self.transcriber = open_transcriber(job.cfg, self.asr_model, self.device)
-        return {"fingerprint": default.fingerprint()}
+        self.line = RowLine(cfg, self.engines, self.policy,
+                            open_gate(cfg, self.engines, open_transcriber(cfg, asr_model, default.device)))
+        return default.fingerprint()
 
-    def _adopter(self, job: Job):
+    def _adopter(self, corpus: Corpus):
         """Whether an item the journal does not list is this job's: its id is in the corpus, made
         from the same row (source hash) with the engine, seed and settings this job would use for
         that row. The corpus is read only when some shard holds such an item."""
-        cfg = job.cfg
+        cfg = self.cfg
         rows: dict = {}  # id -> (source hash, the row's voice)
 
         def admit(meta: dict) -> Optional[str]:
             if not rows:
-                rows.update(_rows_of_this_job(job.corpus, cfg))
+                rows.update(_rows_of_this_job(corpus, cfg))
             if meta.get("id") not in rows:
                 return "its id is not in this corpus" + (" part" if cfg.shard_count is not None else "")
             source, row = rows[meta["id"]]
@@ -107,11 +106,11 @@ class LocalRunner(Runner):
 
         return admit
 
-    def resume(self, job: Job, corpus_was: Optional[dict]):
-        out = job.out
+    def resume(self, out: OutputDir, corpus: Corpus, corpus_was: Optional[dict]) -> Resumed:
+        self.out = out
         self.journal = Journal(out.journal_path)
-        report = repair(out, self.journal, admit=self._adopter(job))
-        job.repairs, job.quarantined, ledger = report.notes, report.quarantined, report.ledger
+        report = repair(out, self.journal, admit=self._adopter(corpus))
+        ledger = report.ledger
         if corpus_was and ledger.failures:  # rows that failed in the old corpus may be good in the new one
             log.warning("the corpus changed: the %d earlier failures are tried again", ledger.failures)
             self.journal.append({"t": "retry_failures", "ts": round(time.time(), 3)})
@@ -124,41 +123,38 @@ class LocalRunner(Runner):
             self.committed_sources = {item["id"]: item.get("source") for item in out.live_items(ledger)}
             log.warning("the corpus changed since this job started (%s); committed ids are kept, new ids are "
                         "synthesised, and committed rows that changed are listed in %s",
-                        "; ".join(differences(corpus_was, job.corpus.fingerprint())), CORPUS_CHANGES_FILE)
-        return self.state, self.committed_sources
+                        "; ".join(differences(corpus_was, corpus.fingerprint())), CORPUS_CHANGES_FILE)
+        return Resumed(self.state, self.committed_sources, report.notes, report.quarantined)
 
-    def dispatch(self, job: Job, corpus: Corpus, gate: RowGate) -> None:
-        cfg = job.cfg
-        self.gate = gate
-        assembler = RowAssembler()
+    def dispatch(self, job: Dispatch) -> Dispatched:
+        cfg, stop = job.cfg, job.stop
+        self.admission, self.reading = job.admission, Reading()
+        if self.line.gate.active:  # the committed clips' speech rates carry on in the gate
+            self.line.gate.seed_history(job.out.live_items(self.ledger))
         # Batches dispatched but not yet committed, wherever they are (queued, computing, waiting
         # in the results queue or the reorder buffer): bounded, so audio never piles up in memory.
         self.uncommitted = threading.Semaphore(4 * self.workers + 4)
-        self.finisher = RowFinisher(cfg, self.engines, self.policy, self.transcriber, counts=job.qc_counts,
-                                    on_retry=job.progress.retake)
-        if self.finisher.settings.mode != "off":  # the committed clips' speech rates carry on in the gate
-            self.finisher.seed_history(job.out.live_items(self.ledger))
-        self.committer = Committer(cfg, self.journal, self.state, job.stats, job.progress, assembler, self.finisher,
-                                   job.stop, self.uncommitted, job.metrics_while_running)
-        self.finisher.account = self.committer.account
-        self.batch_seconds = self.committer.batch_seconds
-        self.producer = Producer(cfg, corpus, gate, self.engines, assembler, self.policy, job.stats,
-                                 job.stop, self.uncommitted)
+        self.committer = Committer(cfg, self.journal, self.state, self.line, job.report, stop, self.uncommitted)
 
         work: queue.Queue = queue.Queue(maxsize=2 * self.workers)
         results: queue.Queue = queue.Queue()
-        workers = [threading.Thread(target=self._infer_loop, args=(job.stop, work, results), daemon=True,
+        workers = [threading.Thread(target=self._infer_loop, args=(stop, work, results), daemon=True,
                                     name=f"infer-{i}") for i in range(self.workers)]
         writer = threading.Thread(target=self.committer.loop, args=(results, lambda e: _output_error(cfg, e)),
                                   daemon=True, name="writer")
         for t in [*workers, writer]:
             t.start()
         error: Optional[BaseException] = None
+        all_queued = True
         try:
-            self.producer.run(work, results)
+            for kind, payload in self.line.windows(job.corpus, job.admission, stop.is_set, self.reading):
+                if kind == "failed":
+                    results.put(("failed", payload))
+                else:
+                    all_queued = self._queue(payload, work, stop) and all_queued
         except BaseException as exc:
             error = exc
-            job.stop.set()
+            stop.set()
         finally:
             for _ in workers:
                 work.put(DONE)
@@ -170,7 +166,28 @@ class LocalRunner(Runner):
         if error is not None:
             self.committer.finish(interrupted=True)
             raise error
-        self.corpus_error = self.producer.corpus_error
+        exhausted = self.reading.read_all and all_queued
+        # A stop that came after the last batch was committed interrupted nothing.
+        return Dispatched(interrupted=stop.is_set() and not (exhausted and self.dropped_batches == 0),
+                          corpus_error=self.reading.corpus_error, read_s=self.reading.read_s,
+                          prepare_s=self.reading.prepare_s)
+
+    def _queue(self, batches: list, work: queue.Queue, stop: threading.Event) -> bool:
+        """Queue a window's batches, never more uncommitted than allowed; False if a stop cut it short."""
+        for batch in batches:
+            while not self.uncommitted.acquire(timeout=0.2):
+                if stop.is_set():
+                    return False
+            while True:
+                if stop.is_set():
+                    self.uncommitted.release()
+                    return False
+                try:
+                    work.put(batch, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+        return True
 
     def _infer_loop(self, stop: threading.Event, work: queue.Queue, results: queue.Queue) -> None:
         while True:
@@ -182,56 +199,48 @@ class LocalRunner(Runner):
                 self.uncommitted.release()
                 continue
             try:
-                outcome = run_batch(self.engines.by_voice[batch.group], batch, self.policy.guard)
+                outcome = self.line.run(batch)
             except Exception as exc:  # never leave the writer waiting for this batch
                 log.exception("batch %d failed outside the engine", batch.seq)
                 outcome = Outcome(batch, [f"internal error: {exc!r}"] * len(batch.units))
             results.put(("batch", outcome))
 
-    def interrupted(self, job: Job) -> bool:
-        # A stop that came after the last batch was committed interrupted nothing.
-        return job.stop.is_set() and not (self.producer.exhausted and self.dropped_batches == 0)
-
-    def stopped_for_failures(self) -> bool:
-        return self.committer.too_many_failures
-
-    def end(self, job: Job, interrupted: bool) -> tuple[list[str], dict]:
+    def end(self, out: OutputDir, interrupted: bool) -> Ended:
         self.committer.finish(interrupted)
-        job.out.write_failures()
-        problems: list[str] = []
-        extra: dict = {}
+        out.write_failures()
+        ended = Ended()
         if not interrupted:
-            ledger = Ledger.replay(job.out.journal_path)
-            job.out.write_manifest(ledger)
-            problems = check_sizes(job.out, ledger)
-            changes = self._write_corpus_changes(job)
+            ledger = Ledger.replay(out.journal_path)
+            out.write_manifest(ledger)
+            ended.problems = check_sizes(out, ledger)
+            changes = self._write_corpus_changes(out)
             if changes is not None:
-                extra["corpus_changes"] = changes
-        return problems, extra
+                ended.extra["corpus_changes"] = changes
+        return ended
 
     def describe(self) -> dict:
         from ..gpu import memory_stats
 
         engine = self.default_engine
         return {"engine": engine.name, "voice": engine.voice_name, "language": getattr(engine, "language", None),
-                "device": self.device,
+                "device": engine.device,
                 "batch_size_limit": self.policy.batch_size, "batch_budget": self.policy.batch_budget,
                 "workers": self.workers, "budget_changes": list(self.policy.guard.changes),
                 "gpu_memory": memory_stats(), "memory_pool": engine.memory_plan().pool,
                 "engine_stats": engine.runtime_stats()}
 
-    def _write_corpus_changes(self, job: Job) -> Optional[dict]:
+    def _write_corpus_changes(self, out: OutputDir) -> Optional[dict]:
         """After --allow-corpus-change: list the committed ids whose row changed or is gone."""
         if self.committed_sources is None:
             return None
-        cfg = job.cfg
-        changes = list(self.gate.changed)
-        if self.producer.read_whole_corpus and cfg.limit is None:
+        cfg = self.cfg
+        changes = list(self.admission.changed)
+        if self.reading.whole_corpus and cfg.limit is None:
             changes += [{"id": i, "row": None, "change": "removed",
                          "detail": "not in the corpus any more; its committed audio was kept"}
-                        for i in self.committed_sources if i not in self.gate.still_there]
+                        for i in self.committed_sources if i not in self.admission.still_there]
         write_atomic(cfg.out / CORPUS_CHANGES_FILE, jsonl_bytes(changes))
-        job.out.corpus_change_reported()
+        out.corpus_change_reported()
         counts = {kind: sum(1 for c in changes if c["change"] == kind) for kind in ("changed", "removed")}
         if changes:
             log.warning("%d committed ids changed and %d are no longer in the corpus; see %s", counts["changed"],
@@ -243,13 +252,12 @@ def _rows_of_this_job(corpus: Corpus, cfg: RunConfig) -> dict:
     """id -> (source hash, the row) for the rows this job synthesises: within --limit, in
     this worker's part (--shard), the first row of a duplicated id."""
     rows: dict = {}
+    admission = Admission(cfg)
     try:
         for row in corpus:
-            if cfg.limit is not None and row.index >= cfg.limit:
+            if admission.past_limit(row):
                 break
-            if not isinstance(row, Row) or row.id in rows:
-                continue
-            if cfg.shard_count is not None and shard_of(row.id, cfg.shard_count) != cfg.shard_index:
+            if not isinstance(row, Row) or row.id in rows or admission.others(row):
                 continue
             rows[row.id] = (source_hash(row), row)
     except CorpusError:

@@ -25,16 +25,14 @@ import json
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional, Union
 
 from ..config import RunConfig, cpu_count
 from ..corpus import BadRow, Corpus, Row
-from ..engines import RowRejected, engine_check
 from ..errors import OutputError, UsageError
-from ..qc.gate import qc_columns
 from ..store.checkpoint import (
     FAILURES_FILE,
     RAY_FAILURES_DIR,
@@ -45,20 +43,13 @@ from ..store.checkpoint import (
     write_atomic,
     write_manifest_table,
 )
+from ..store.items import RECORDED, qc_columns
 from ..store.shards import ShardWriter
-from .executor import RECORDED, BatchPolicy, EngineSet, RowAssembler, run_batch
-from .finish import RowFinisher
-from .job import (
-    Job,
-    RowGate,
-    Runner,
-    RunResult,
-    check_pool_voices,
-    check_qc,
-    configure_gpu_allocator,
-    open_transcriber,
-    run_job,
-)
+from .executor import BatchPolicy, EngineSet
+from .job import RunResult, run_job
+from .line import RowLine, open_gate
+from .preflight import check_qc, configure_gpu_allocator, open_transcriber
+from .runner import Committed, Dispatch, Dispatched, Ended, Resumed, Runner
 
 log = logging.getLogger("cosybatch")
 
@@ -99,6 +90,7 @@ class SynthWorker:
         self.engines = EngineSet(cfg)
         self.default = self.engines.get(cfg.voice, from_row=False)
         self.policy = BatchPolicy.for_engine(cfg, self.default, workers=1)  # an actor runs one batch at a time
+        # The ASR model as this actor's machine has it (the driver's path may not exist here).
         self.transcriber = open_transcriber(cfg, check_qc(cfg), self.default.device)
 
     def describe(self) -> dict:
@@ -109,54 +101,32 @@ class SynthWorker:
                 "batch_size_limit": self.policy.batch_size, "batch_budget": self.policy.batch_budget}
 
     def process(self, rows: list[Row]) -> dict:
+        """One chunk through the row line, written as one tar shard named by its ids."""
         cfg = self.cfg
         digest = chunk_digest([r.id for r in rows])
-        assembler = RowAssembler()
-        units, failures, rendered = [], [], []
-        for row in rows:
-            try:
-                group, prepared, entry = self.engines.prepare(row)
-            except RowRejected as exc:
-                failures.append({"id": row.id, "row": row.index, "reason": str(exc)})
-                continue
-            units += assembler.add(row, prepared, group, entry)
-        stats = {"batches": 0, "batch_sizes": Counter(), "real_frames": 0, "padded_frames": 0, "infer_s": 0.0,
-                 "oom_retries": 0}
-
-        def account(outcome) -> None:
-            stats["batches"] += 1
-            stats["batch_sizes"][len(outcome.batch.units)] += 1
-            stats["real_frames"] += outcome.real_frames
-            stats["padded_frames"] += outcome.padded_frames
-            stats["infer_s"] += outcome.infer_s
-            stats["oom_retries"] += outcome.oom_retries
-
-        # One finisher per chunk: its counts go back with the chunk (the driver sums them). The
-        # speech-rate history starts anew in each chunk, so the first rows of a chunk are judged
-        # without a z-score (min_history).
-        finisher = RowFinisher(cfg, self.engines, self.policy, self.transcriber, account=account)
-        for batch in self.policy.plan(units):
-            outcome = run_batch(self.engines.by_voice[batch.group], batch, self.policy.guard)
-            account(outcome)
-            done, failed = finisher.finish(assembler.take(outcome))
-            rendered += done
-            failures += failed
+        # One line (and gate) per chunk: its counts go back with the chunk (the driver sums them).
+        # The speech-rate history starts anew in each chunk, so the first rows of a chunk are
+        # judged without a z-score (min_history).
+        line = RowLine(cfg, self.engines, self.policy, open_gate(cfg, self.engines, self.transcriber))
+        done = line.make(rows)
         name = f"shard-{digest}.tar"
         shard = None
         items = []
-        for tar_key, members, record in sorted(rendered, key=lambda r: r[2]["row"]):  # the same bytes on a retry
+        for tar_key, members, record in sorted(done.items, key=lambda r: r[2]["row"]):  # the same bytes on a retry
             if shard is None:
                 shard = ShardWriter(cfg.out, 0, name=name)
             shard.add(tar_key, members, int(time.time()))
             items.append({**record, "shard": name})
         # Failures first: if the process dies before the rename, the rows are simply redone.
-        if failures:
+        if done.failures:
             write_atomic(cfg.out / ".cosybatch" / RAY_FAILURES_DIR / f"{digest}.jsonl",
-                         jsonl_bytes(failures))
+                         jsonl_bytes(done.failures))
         if shard is not None:
             shard.close()
-        stats["qc"], stats["qc_s"] = finisher.counts.raw(), finisher.seconds
-        return {"items": items, "failures": failures, "stats": stats}
+        return {"items": items, "failures": done.failures,
+                "committed": Committed(items=len(items), audio_s=sum(i["duration_s"] for i in items),
+                                       failed=len(done.failures), batches=[o.work() for o in done.batches],
+                                       qc=done.qc, qc_s=done.qc_s)}
 
 
 def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
@@ -211,7 +181,6 @@ class RayRunner(Runner):
     def __init__(self, opts: RayOptions):
         self.opts = opts
         self.started_ray = False
-        self.cut_short = False  # a stop request left rows unread or undispatched
 
     def check(self, cfg: RunConfig) -> RunConfig:
         if cfg.shard_count is not None:
@@ -228,13 +197,12 @@ class RayRunner(Runner):
             raise UsageError(f"ray-run does not support {', '.join(unsupported)}: Ray's dashboard and job "
                              "timeouts cover metrics and time limits, and each ray-run shard is one chunk "
                              "(--rows-per-task); remove them from the flags or the job spec")
-        self.device = "cuda" if self.opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
-        engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(self.device))  # a bad voice: exit 2 here
-        check_pool_voices(cfg, self.device)
-        self.asr_model = check_qc(cfg)
         return cfg
 
-    def start(self, job: Job) -> dict:
+    def device(self, cfg: RunConfig) -> Optional[str]:
+        return "cuda" if self.opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
+
+    def start(self, cfg: RunConfig, asr_model: Optional[Path]) -> dict:
         import ray
         from ray.util import ActorPool
 
@@ -253,29 +221,31 @@ class RayRunner(Runner):
             self.started_ray = True
         remote = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus, max_restarts=2,
                             max_task_retries=2)(SynthWorker)
-        actors = [remote.remote(job.cfg, self.device) for _ in range(opts.actors)]
+        self.cfg = cfg
+        actors = [remote.remote(cfg, self.device(cfg)) for _ in range(opts.actors)]
         try:
             self.engine = ray.get(actors[0].describe.remote())  # the driver never opens an engine (nor CUDA)
         except ray.exceptions.RayActorError as exc:
             raise UsageError(f"the engine could not start in a Ray actor: {exc}") from None
         self.pool = ActorPool(actors)
-        return self.engine
+        return self.engine["fingerprint"]
 
-    def resume(self, job: Job, corpus_was: Optional[dict]) -> tuple[ResumeState, None]:
-        for partial in job.cfg.out.glob("shard-*.tar.partial"):
+    def resume(self, out: OutputDir, corpus: Corpus, corpus_was: Optional[dict]) -> Resumed:
+        for partial in out.root.glob("shard-*.tar.partial"):
             partial.unlink()  # a chunk that never finished; its rows are redone
-        items, failures = scan_output(job.out)
+        items, failures = scan_output(out)
         state = ResumeState(done_ids={i["id"] for i in items} | {f["id"] for f in failures if not keyed_by_row(f)},
                             failed_rows={f["row"] for f in failures if keyed_by_row(f)},
                             items=len(items), failures=len(failures),
                             audio_s=sum(i["duration_s"] for i in items))
-        return state, None
+        return Resumed(state)
 
-    def dispatch(self, job: Job, corpus: Corpus, gate: RowGate) -> None:
+    def dispatch(self, job: Dispatch) -> Dispatched:
         import ray
 
-        cfg, stats, progress, pool = job.cfg, job.stats, job.progress, self.pool
+        cfg, pool, admission = job.cfg, self.pool, job.admission
         driver_failures: list[dict] = []
+        cut_short = False  # a stop request left rows unread or undispatched
 
         def next_result() -> dict:
             try:
@@ -286,43 +256,24 @@ class RayRunner(Runner):
                                       "shards are intact: free space, then rerun the same command") from None
                 raise
 
-        def collect(result: dict) -> None:
-            stats.items_done += len(result["items"])
-            stats.items_failed += len(result["failures"])
-            audio_s = sum(i["duration_s"] for i in result["items"])
-            stats.audio_s += audio_s
-            s = result["stats"]
-            stats.batches += s["batches"]
-            stats.batch_sizes.update(s["batch_sizes"])
-            stats.real_frames += s["real_frames"]
-            stats.padded_frames += s["padded_frames"]
-            stats.stage_s["infer"] += s["infer_s"]
-            stats.oom_retries += s["oom_retries"]
-            stats.stage_s["qc"] += s["qc_s"]
-            job.qc_counts.merge(s["qc"])
-            if s["qc"]["retries"]:
-                progress.retake(s["qc"]["retries"])
-            progress.update(len(result["items"]) + len(result["failures"]), audio_s)
-
         def flush_driver_failures() -> None:
             if driver_failures:
                 digest = chunk_digest([f"{f['row']}" for f in driver_failures])
                 write_atomic(job.out.state / RAY_FAILURES_DIR / f"driver-{digest}.jsonl",
                              jsonl_bytes(driver_failures))
-                stats.items_failed += len(driver_failures)
-                progress.update(len(driver_failures), 0.0)
+                job.report(Committed(failed=len(driver_failures)))
                 driver_failures.clear()
 
         (job.out.state / RAY_FAILURES_DIR).mkdir(parents=True, exist_ok=True)
         chunk: list[Row] = []
         t_read = time.monotonic()
-        for row in read_rows(corpus):
-            if cfg.limit is not None and row.index >= cfg.limit:
+        for row in read_rows(job.corpus):
+            if admission.past_limit(row):
                 break
             if job.stop.is_set():
-                self.cut_short = True
+                cut_short = True
                 break
-            admitted = gate.admit(row)
+            admitted = admission.admit(row)
             if admitted is None:
                 continue
             if isinstance(admitted, dict):
@@ -331,28 +282,26 @@ class RayRunner(Runner):
             chunk.append(row)
             if len(chunk) >= self.opts.rows_per_task:
                 while not pool.has_free():
-                    collect(next_result())
+                    job.report(next_result()["committed"])
                 pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
                 chunk = []
                 flush_driver_failures()
         if chunk and job.stop.is_set():
-            self.cut_short = True
+            cut_short = True
         elif chunk:
             pool.submit(lambda actor, rows: actor.process.remote(rows), chunk)
         flush_driver_failures()
-        stats.stage_s["read"] = time.monotonic() - t_read
+        read_s = time.monotonic() - t_read
         while pool.has_next():
-            collect(next_result())
-
-    def interrupted(self, job: Job) -> bool:
+            job.report(next_result()["committed"])
         # A stop that came after every chunk was dispatched interrupted nothing: they all finished.
-        return self.cut_short
+        return Dispatched(interrupted=cut_short, read_s=read_s)
 
-    def end(self, job: Job, interrupted: bool) -> tuple[list[str], dict]:
-        items, failures = scan_output(job.out)
-        write_manifest_table(job.cfg.out, items)
-        write_atomic(job.cfg.out / FAILURES_FILE, jsonl_bytes(failures))
-        return [], {}
+    def end(self, out: OutputDir, interrupted: bool) -> Ended:
+        items, failures = scan_output(out)
+        write_manifest_table(out.root, items)
+        write_atomic(out.root / FAILURES_FILE, jsonl_bytes(failures))
+        return Ended()
 
     def describe(self) -> dict:
         e = self.engine

@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..cache import file_fingerprint, file_sha256  # noqa: F401  (re-exported: fingerprints of the job)
 from ..errors import ResumeMismatchError, UsageError
-from ..qc.gate import QC_COLUMNS
+from .items import QC_COLUMNS
 from .shards import fsync_dir, shard_name
 
 STATE_DIR = ".cosybatch"
@@ -423,7 +423,7 @@ MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("
                     ("sample_rate", "int32"), ("row", "int64"))
 # Columns a manifest has only when some item has the field (so a job without them keeps the schema).
 # wav_sha256: the sha256 of the item's KEY.wav member (hex); items written before it was recorded have none.
-# qc_*: the quality gate's columns (cosybatch.qc.gate.QC_COLUMNS), for items measured by it.
+# qc_*: the quality gate's columns (cosybatch.store.items.QC_COLUMNS), for items measured by it.
 # speaker, prompt: the voice pool's speaker or prompt a row was given; language: the row's language column.
 OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"), ("wav_sha256", "string"), ("speaker", "string"),
                              ("prompt", "string"), ("language", "string"), *QC_COLUMNS)

@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import DamagedOutputError, UsageError
-from ..qc.gate import QC_COLUMNS, qc_columns
 from .checkpoint import RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
 from .distributed import output_dirs
+from .items import QC_COLUMNS, qc_columns
 
 FORMATS = ("hf", "nemo", "lhotse")
 COPYING = ("nemo", "lhotse")  # the formats that point into the shards, or copy the audio out with copy=True

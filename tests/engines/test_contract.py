@@ -155,7 +155,7 @@ def test_a_describe_that_returns_none_names_the_engine():
 def test_run_check_reports_a_broken_check_clearly(tmp_path):
     """Through the job's own `run --check` path (in process: the engine is registered here only)."""
     from cosybatch.config import RunConfig
-    from cosybatch.run import job
+    from cosybatch.run import preflight
 
     class NoneCheck(Fake):
         name = "nonecheck"
@@ -168,7 +168,7 @@ def test_run_check_reports_a_broken_check_clearly(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "a", "text": "hello"}\n')
     with pytest.raises(EngineError, match=r"engine 'nonecheck': its check\(\) returned None"):
-        job.check(RunConfig(corpus=corpus, out=tmp_path / "out", engine="nonecheck", device="cpu"))
+        preflight.check(RunConfig(corpus=corpus, out=tmp_path / "out", engine="nonecheck", device="cpu"))
 
 
 def test_quantize_is_an_optional_capability():

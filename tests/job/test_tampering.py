@@ -16,7 +16,7 @@ import pytest
 from helpers import journal, read_output, write_parquet
 
 from cosybatch.config import RunConfig
-from cosybatch.run import finish
+from cosybatch.run import line
 from cosybatch.run.local import run
 from cosybatch.store.verify import describe
 from cosybatch.store.verify import verify as verify_output
@@ -219,7 +219,7 @@ def test_a_folder_written_before_checksums_resumes_and_verifies(tmp_path, monkey
     data = rows(12)
     corpus = write_parquet(tmp_path / "c.parquet", data)
     out = tmp_path / "out"
-    render_item = finish.render_item
+    render_item = line.render_item
 
     def without_checksum(*args, **kw):
         key, members, record = render_item(*args, **kw)
@@ -227,7 +227,7 @@ def test_a_folder_written_before_checksums_resumes_and_verifies(tmp_path, monkey
         del meta["wav_sha256"], meta["source"], record["wav_sha256"]
         return key, {**members, "json": json.dumps(meta, ensure_ascii=False).encode()}, record
 
-    monkeypatch.setattr(finish, "render_item", without_checksum)
+    monkeypatch.setattr(line, "render_item", without_checksum)
     assert run(config(corpus, out)).status == "complete"
     monkeypatch.undo()
     (out / "shard-000001.tar").unlink()  # the resume repairs an old folder: ids 3-5 made again, with checksums

@@ -18,9 +18,9 @@ from cosybatch.engines import EngineOptions, RowRejected, ScaleRange, open_engin
 from cosybatch.engines.piper.voice import bundled_voice
 from cosybatch.errors import UsageError
 from cosybatch.plan import Unit
-from cosybatch.pool import PoolEntry, parse_pool, parse_voice_map
 from cosybatch.run.executor import EngineSet
 from cosybatch.run.local import run
+from cosybatch.voices import PoolEntry, parse_pool, parse_voice_map
 
 SHORT = ["Yes.", "Good morning.", "Why not?", "The kettle is boiling.", "Close the door.", "It is late.",
          "See you soon.", "Thank you."]
@@ -77,7 +77,7 @@ def test_pool_specs_parse_weights_speakers_and_folders(tmp_path):
         RunConfig(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool="a", voice_pool_mode="round")
     # A pool voice that does not exist stops the run before it starts, as a bad --voice does.
     from cosybatch.errors import CosybatchError
-    from cosybatch.run.job import check
+    from cosybatch.run.preflight import check
 
     corpus = short_corpus(tmp_path / "c.jsonl", 1)
     with pytest.raises(CosybatchError, match="nope") as refused:

@@ -13,7 +13,7 @@ from helpers import ROOT, cli, last_json
 from cosybatch import doctor, gpu
 from cosybatch.config import RunConfig
 from cosybatch.errors import EXIT_USAGE, UsageError
-from cosybatch.run import job
+from cosybatch.run import job, preflight
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 HAS_GPU = gpu.cuda_driver_devices()[0] > 0
@@ -180,10 +180,10 @@ def test_check_passes_the_device_when_cuda_is_usable(tmp_path, monkeypatch):
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: [gpu.ORT_CUDA, "CPUExecutionProvider"])
     monkeypatch.setattr(gpu, "cuda_driver_devices", lambda: (1, None))
     monkeypatch.setattr(gpu, "ort_cuda_library_problem", lambda ort: None)
-    assert job.check(cfg_for(tmp_path, device="cuda"))["voice"] == "en_US-joe-medium"
+    assert preflight.check(cfg_for(tmp_path, device="cuda"))["voice"] == "en_US-joe-medium"
     monkeypatch.setattr(gpu, "cuda_driver_devices", lambda: (0, "the NVIDIA driver sees no GPU"))
     with pytest.raises(UsageError, match="sees no GPU"):
-        job.check(cfg_for(tmp_path, device="cuda"))
+        preflight.check(cfg_for(tmp_path, device="cuda"))
 
 
 def test_check_uses_torch_for_torch_engines(tmp_path, monkeypatch, cosyvoice_dir):
@@ -193,11 +193,11 @@ def test_check_uses_torch_for_torch_engines(tmp_path, monkeypatch, cosyvoice_dir
     opts = {"model": str(cosyvoice_dir), "speaker": "alice"}
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert job.check(cfg_for(tmp_path, device="cuda", engine="cosyvoice", engine_options=opts))
+    assert preflight.check(cfg_for(tmp_path, device="cuda", engine="cosyvoice", engine_options=opts))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UsageError, match="no usable CUDA GPU for the cosyvoice engine"):
-        job.check(cfg_for(tmp_path, device="cuda", engine="cosyvoice", engine_options=opts))
-    assert job.check(cfg_for(tmp_path, device="cpu", engine="cosyvoice", engine_options=opts))
+        preflight.check(cfg_for(tmp_path, device="cuda", engine="cosyvoice", engine_options=opts))
+    assert preflight.check(cfg_for(tmp_path, device="cpu", engine="cosyvoice", engine_options=opts))
 
 
 # -- a failed start leaves no half-made folder -------------------------------------------------

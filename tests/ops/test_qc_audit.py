@@ -11,9 +11,9 @@ from helpers import cli, corpus_rows, last_json, read_output, write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.qc.asr import Transcriber, default_model_dir
+from cosybatch.qc.audit import SIGNAL_COLUMNS, audit
 from cosybatch.qc.gate import QCSettings
 from cosybatch.run.local import run
-from cosybatch.store.audit import SIGNAL_COLUMNS, audit
 
 
 def digests(folder) -> dict:

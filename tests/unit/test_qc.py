@@ -12,11 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cosybatch.config import RunConfig
+from cosybatch.cosyvoice.pipeline import token_repetition
 from cosybatch.engines import item_seed
 from cosybatch.errors import UsageError
 from cosybatch.qc.asr import edit_distance, error_rates
-from cosybatch.qc.gate import Limits, PaceHistory, QCSettings, Verdict, flags, judge, qc_columns, sampled, wants_asr
-from cosybatch.qc.signals import measure, spoken_units, token_repetition
+from cosybatch.qc.gate import Limits, PaceHistory, QCSettings, Verdict, flags, judge, sampled, wants_asr
+from cosybatch.qc.signals import measure, spoken_units
+from cosybatch.store.items import qc_columns
 
 RATE = 22050
 

@@ -15,11 +15,12 @@ import tarfile
 from pathlib import Path
 from typing import Optional
 
-from ..qc.gate import PaceHistory, QCSettings, Verdict, assess, judge, qc_columns, wants_asr
-from ..qc.signals import measure
-from .checkpoint import MANIFEST_FILE, STATE_DIR
-from .distributed import output_dirs
-from .exports import iter_shard, shards
+from ..store.checkpoint import MANIFEST_FILE, STATE_DIR
+from ..store.distributed import output_dirs
+from ..store.exports import iter_shard, shards
+from ..store.items import qc_columns
+from .gate import PaceHistory, QCSettings, Verdict, assess, judge, wants_asr
+from .signals import measure
 
 log = logging.getLogger("cosybatch")
 
@@ -34,7 +35,7 @@ def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, rep
     ROOT/qc.parquet (and ROOT/report.html). Returns the summary."""
     import soundfile
 
-    from ..qc.asr import error_rates
+    from .asr import error_rates
 
     root = Path(root)
     paths = shards(root)
@@ -141,7 +142,7 @@ def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Opt
                      seed: int = 0) -> Optional[Path]:
     """ROOT/report.html from `rows` (an audit's), or from the manifest's qc columns (a run's end).
     Returns its path, or None when the folder holds no measured clip."""
-    from ..qc.report import write_report
+    from .report import write_report
 
     root = Path(root)
     if rows is None:

@@ -1,0 +1,124 @@
+"""What a run checks before anything is written or loaded, shared by `run`, `run --check`,
+`run --plan-only` and `ray-run`: options, corpus format and columns, device, engine and voices,
+the quality gate's ASR model. Also the corpus and the ASR model as a run opens them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Optional
+
+from ..config import RunConfig
+from ..corpus import Columns, Corpus
+from ..engines import engine_check
+from ..errors import UsageError
+from ..store.distributed import part_name
+
+log = logging.getLogger("cosybatch")
+
+
+def preflight(cfg: RunConfig, device: Optional[str] = None) -> Optional[Path]:
+    """The engine, its voice and every voice a pool or the voice map names, checked on `device`
+    (default: --device) without loading a model; returns the ASR model folder `--qc asr` will load."""
+    engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(device))
+    check_pool_voices(cfg, device)
+    return check_qc(cfg)
+
+
+def check(cfg: RunConfig) -> dict:
+    """`run --check`: everything a run checks before its first batch, without loading a model:
+    options, corpus format and columns, engine and voice. Returns the resolved settings."""
+    corpus = open_corpus(cfg)
+    configure_gpu_allocator(cfg)  # as a run does, before the device check may import torch
+    check_device(cfg)
+    resolved = engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
+    check_pool_voices(cfg)
+    model = check_qc(cfg)
+    return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
+            "voice": resolved.get("voice", resolved), **({"qc_asr_model": str(model)} if model else {})}
+
+
+def part_config(cfg: RunConfig) -> RunConfig:
+    """A sharded worker's config: each worker owns a self-contained folder OUT/part-I-of-N, which
+    `cosybatch merge` presents as one, and its own metrics file."""
+    if cfg.shard_count is None:
+        return cfg
+    part = part_name(cfg.shard_index, cfg.shard_count)
+    metrics = cfg.metrics_file
+    if metrics is not None:  # workers sharing a volume must not overwrite each other's file
+        metrics = metrics.with_name(f"{metrics.stem}.{part}{metrics.suffix}")
+    return replace(cfg, out=cfg.out / part, metrics_file=metrics)
+
+
+def check_device(cfg: RunConfig) -> None:
+    """--device cuda on a machine where the engine cannot use CUDA is a usage error, for `run` and
+    `run --check` alike, found before any folder is written or model loaded (the engine's own check
+    would come later, at load). Engines say what runs them on a GPU (`Engine.gpu_runtime`)."""
+    if cfg.device != "cuda":
+        return
+    from ..gpu import cuda_problem
+
+    cls = cfg.engine_class()
+    runtime = cls.gpu_runtime or ("torch" if cls.needs_torch_allocator else None)
+    problem = cuda_problem(runtime)
+    if problem is not None:
+        raise UsageError(f"--device cuda: no usable CUDA GPU for the {cls.name} engine here: {problem}. "
+                         "`cosybatch doctor` shows the set-up; or use --device cpu")
+
+
+def configure_gpu_allocator(cfg: RunConfig) -> None:
+    """For engines that run torch on a GPU: its allocator is chosen before torch can start CUDA."""
+    if cfg.engine_class().needs_torch_allocator and cfg.device != "cpu":
+        from ..gpu import configure_allocator
+
+        note = configure_allocator()
+        if note:
+            log.warning(note)
+
+
+def open_corpus(cfg: RunConfig) -> Corpus:
+    return Corpus(cfg.corpus, Columns(
+        id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
+        id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None,
+        # An engine may read another column as the voice when there is no voice column.
+        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.format)
+
+
+def check_pool_voices(cfg: RunConfig, device: Optional[str] = None) -> None:
+    """Every voice a pool or the voice map names, checked as --voice is (an engine with one instance
+    per voice: a multi-voice engine's rows fail one by one, with the reason, on a voice it lacks)."""
+    cls = cfg.engine_class()
+    if cls.multi_voice:
+        return
+    entries = (*cfg.voice_pool, *(e for pool in cfg.voice_map.values() for e in pool))
+    for voice in sorted({e.voice for e in entries if e.voice is not None}):
+        engine_check(cls, voice, cfg.engine_options_for(device))
+
+
+def check_qc(cfg: RunConfig) -> Optional[Path]:
+    """The ASR model folder `--qc asr` will load (None for the other modes); a usage error, before
+    anything is written, when it or the runtime to run it is missing."""
+    if cfg.qc_settings().mode != "asr":
+        return None
+    from ..qc.asr import ready_model
+
+    return ready_model(cfg.qc_asr_model)
+
+
+def open_transcriber(cfg: RunConfig, model: Optional[Path], device: str):
+    """The ASR model on the engine's device (CUDA when the engine runs there and CTranslate2 has
+    CUDA), or None when the gate does not transcribe."""
+    if model is None:
+        return None
+    import ctranslate2
+
+    from ..qc.asr import Transcriber
+
+    where = "cpu"
+    if device == "cuda":
+        if ctranslate2.get_cuda_device_count() > 0:
+            where = "cuda"
+        else:
+            log.warning("the engine runs on CUDA but CTranslate2 sees no CUDA device: the ASR runs on the CPU")
+    return Transcriber(model, where, threads=max(1, cfg.threads))
