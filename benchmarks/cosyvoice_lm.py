@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling, SlotPool
+from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling, SlotPool
 from cosybatch.cosyvoice.lm.v2 import load_llm
 from cosybatch.cosyvoice.tiny import write_model_dir
 

@@ -253,7 +253,7 @@ def low_section(cfg, rec, engine, voice, batch, units, dev, cuda, sync, deadline
     import torch
 
     from cosybatch.cosyvoice.flow.cfm import FlowInput
-    from cosybatch.cosyvoice.lm.pool import LMRequest
+    from cosybatch.cosyvoice.lm.slots import LMRequest
 
     n_text = cfg["long_tokens"]
     gen = torch.Generator().manual_seed(cfg["seed"])

@@ -106,7 +106,7 @@ def graph_check(model: Path, device: str) -> dict:
 
     import torch
 
-    from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+    from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling
     from cosybatch.cosyvoice.lm.v2 import load_llm
 
     if device == "cpu":

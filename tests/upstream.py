@@ -199,7 +199,7 @@ def lm_v1_model(llm_node, sampling):
 
 
 def lm_v1_inference(lm, request) -> list[int]:
-    """Upstream v1's single-item decode of one :class:`~cosybatch.cosyvoice.lm.pool.LMRequest` (no
+    """Upstream v1's single-item decode of one :class:`~cosybatch.cosyvoice.lm.slots.LMRequest` (no
     speaker embedding: the empty one upstream's instruct mode passes)."""
     import torch
 

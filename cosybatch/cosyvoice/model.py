@@ -107,7 +107,7 @@ def load_hift(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
 
 
 def load_lm(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    """The family's speech-token LM (a :class:`~.lm.pool.DecoderLM`), weights loaded strictly and
+    """The family's speech-token LM (a :class:`~.lm.decoder.DecoderLM`), weights loaded strictly and
     converted once to ``dtype``."""
     return config.family.load_lm(config.path, device, dtype)
 

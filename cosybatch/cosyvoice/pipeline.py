@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from .flow.cfm import FlowInput
-from .lm.pool import DecoderLM, LMRequest, PoolStats, Sampling
+from .lm.decoder import DecoderLM
+from .lm.slots import LMRequest, PoolStats, Sampling
 from .model import ModelConfig, load_flow, load_hift, read_config
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

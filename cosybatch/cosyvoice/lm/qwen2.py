@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .pool import SPEECH_TOKENS, Cache, DecoderLM
+from .decoder import SPEECH_TOKENS, Cache, DecoderLM
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from ..flow import conformer
 from ..weights import ModelDirError, load_state, load_strict
 from ..yamlconf import Call, expect, load_yaml
-from .pool import CHECK_EVERY, Cache, DecoderLM, LMRequest, Sampling, SlotPool
+from .decoder import Cache, DecoderLM
+from .slots import CHECK_EVERY, LMRequest, Sampling, SlotPool
 
 __all__ = ["SPEECH_TOKENS_V1", "YAML_NAME", "TransformerSpeechLM", "build_llm_v1", "load_llm_v1"]
 

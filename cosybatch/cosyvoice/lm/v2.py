@@ -14,8 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from ..weights import ModelDirError, load_state, load_strict
-from .pool import SPEECH_TOKENS, LMRequest
+from .decoder import SPEECH_TOKENS
 from .qwen2 import Qwen2Config, Qwen2SpeechLM
+from .slots import LMRequest
 
 SOS, TASK_ID = 0, 1  # rows of llm_embedding
 

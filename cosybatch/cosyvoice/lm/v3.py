@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from ..weights import ModelDirError, load_state, load_strict
 from ..yamlconf import Call, expect, load_yaml
-from .pool import LMRequest, PoolStats, Sampling
 from .qwen2 import Qwen2Config, Qwen2SpeechLM
+from .slots import LMRequest, PoolStats, Sampling
 
 SPEECH_TOKENS = 6561
 CONTROL_TOKENS = 200  # ids after the speech ids, in the decoder and the speech embedding

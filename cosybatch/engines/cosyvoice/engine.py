@@ -156,7 +156,7 @@ class CosyVoiceEngine(Engine):
         from ...cosyvoice.frontend.features import PromptError, VoiceBank
         from ...cosyvoice.frontend.text import normalize
         from ...cosyvoice.frontend.whisper import TokenizerNotInstalled
-        from ...cosyvoice.lm.pool import Sampling
+        from ...cosyvoice.lm.slots import Sampling
         from ...cosyvoice.model import load_lm, load_text_tokenizer, read_config
         from ...cosyvoice.pipeline import PRECISIONS, Pipeline, Token2Wav
         from ...cosyvoice.weights import ModelDirError
@@ -316,7 +316,7 @@ class CosyVoiceEngine(Engine):
         KV cache is not per unit: its slot pool is allocated before the probe."""
         from ... import gpu
         from ...cosyvoice.flow.cfm import FlowInput
-        from ...cosyvoice.lm.pool import LMRequest
+        from ...cosyvoice.lm.slots import LMRequest
 
         torch = self._torch
         rows, text_len = 2, self.max_segment_tokens

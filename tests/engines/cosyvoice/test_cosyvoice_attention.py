@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from cosybatch.cosyvoice.lm import qwen2
-from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling
 from cosybatch.cosyvoice.lm.v2 import load_llm
 
 

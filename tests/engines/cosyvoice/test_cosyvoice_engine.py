@@ -87,7 +87,7 @@ def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus
     greedily; KEY.json says which settings made the audio."""
     import torch
 
-    from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+    from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling
 
     model = tmp_path / "model"
     model.mkdir()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cosybatch import gpu
-from cosybatch.cosyvoice.lm import pool as pool_module
-from cosybatch.cosyvoice.lm.pool import LMRequest, PoolStats, Sampling
+from cosybatch.cosyvoice.lm import slots as slots_module
+from cosybatch.cosyvoice.lm.slots import LMRequest, PoolStats, Sampling
 from cosybatch.cosyvoice.lm.v2 import load_llm
 
 GREEDY = Sampling(greedy=True)
@@ -84,13 +84,13 @@ def test_a_failed_capture_is_counted_warned_and_the_step_runs_eagerly(lm, monkey
 def test_cpu_steps_are_counted_eager_and_host_values_go_through_staging(lm, monkeypatch):
     reference, _ = lm.decode(requests(), GREEDY, slots=2, cuda_graphs=False)
     calls: list[tuple] = []
-    real = pool_module.staged
+    real = slots_module.staged
 
     def spy(values, dtype, device):
         calls.append((dtype, device.type))
         return real(values, dtype, device)
 
-    monkeypatch.setattr(pool_module, "staged", spy)
+    monkeypatch.setattr(slots_module, "staged", spy)
     lm._pool = None
     tokens, stats = lm.decode(requests(), GREEDY, slots=2, cuda_graphs=True)  # graphs: CUDA only
     assert tokens == reference
@@ -103,10 +103,10 @@ def test_cpu_steps_are_counted_eager_and_host_values_go_through_staging(lm, monk
 
 
 def test_staged_keeps_values_and_dtype_on_cpu():
-    out = pool_module.staged([[1, 2], [3, 4]], torch.long, torch.device("cpu"))
+    out = slots_module.staged([[1, 2], [3, 4]], torch.long, torch.device("cpu"))
     assert out.dtype == torch.long and out.tolist() == [[1, 2], [3, 4]]
     host = torch.arange(4, dtype=torch.float64)
-    assert pool_module.staged(host, torch.float64, torch.device("cpu")) is host
+    assert slots_module.staged(host, torch.float64, torch.device("cpu")) is host
 
 
 def test_the_lm_decodes_inside_the_out_of_memory_split(cosyvoice_dir, monkeypatch):

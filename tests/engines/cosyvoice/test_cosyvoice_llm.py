@@ -9,7 +9,7 @@ import pytest
 import torch
 import upstream
 
-from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling, sample
+from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling, sample
 from cosybatch.cosyvoice.lm.v2 import load_llm
 from cosybatch.cosyvoice.weights import ModelDirError
 
@@ -232,7 +232,7 @@ def _on_meta(pool):
 
 
 def test_decode_step_never_reads_a_value_back_to_the_host(cosyvoice_dir):
-    from cosybatch.cosyvoice.lm.pool import SlotPool
+    from cosybatch.cosyvoice.lm.slots import SlotPool
 
     lm = load_llm(cosyvoice_dir)
     with torch.inference_mode():
@@ -262,7 +262,7 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _step_ops(lm, n: int, weights=()) -> _OpLog:
-    from cosybatch.cosyvoice.lm.pool import SlotPool
+    from cosybatch.cosyvoice.lm.slots import SlotPool
 
     with torch.inference_mode():
         pool = SlotPool(lm, 8, 256, 256, Sampling())

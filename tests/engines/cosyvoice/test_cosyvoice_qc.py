@@ -13,7 +13,7 @@ import torch
 from helpers import read_output, write_parquet
 
 from cosybatch.config import RunConfig
-from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling
 from cosybatch.cosyvoice.lm.v2 import load_llm
 from cosybatch.cosyvoice.tiny.v2 import SPEECH_TOKENS
 from cosybatch.run.local import run

@@ -16,7 +16,7 @@ import torch
 import upstream
 
 from cosybatch.cosyvoice.frontend.whisper import WhisperTextTokenizer, whisper_vocab_path
-from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling
 from cosybatch.cosyvoice.lm.v1 import build_llm_v1, load_llm_v1
 from cosybatch.cosyvoice.weights import ModelDirError
 from cosybatch.cosyvoice.yamlconf import load_yaml

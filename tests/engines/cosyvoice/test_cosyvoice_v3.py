@@ -15,7 +15,7 @@ import torch
 from helpers import GOLDEN as GOLDEN_ROOT
 
 from cosybatch.cosyvoice.frontend.text import V3_SPECIALS
-from cosybatch.cosyvoice.lm.pool import LMRequest, Sampling
+from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling
 from cosybatch.cosyvoice.lm.v3 import (
     ENDOFPROMPT_ID,
     SILENT_TOKENS,

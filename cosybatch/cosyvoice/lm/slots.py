@@ -1,13 +1,13 @@
-"""The speech-token LMs' shared decoding: requests, sampling and the slot pool.
+"""The slot pool that decodes speech tokens: requests, sampling and the pool of decode slots.
 
-Every family's LM (:mod:`.v1` CosyVoice-300M's transformer, :mod:`.v2` and :mod:`.v3` the Qwen2
-ones of CosyVoice2 and 3) is a :class:`DecoderLM` and decodes here. Upstream decodes one utterance
-at a time and samples in Python from the global random generator. Here utterances decode in a
-:class:`SlotPool`: continuous batching over a static KV cache, a decode step of fixed shapes that
-never waits on the host, one read back every few steps, CUDA graphs on CUDA. Each row stops on its
-own (stop token, or 20x its text tokens; the stop token is refused before 2x), and
-repetition-aware sampling (the yaml's ``ras_sampling`` settings) runs for all rows at once on
-uniforms drawn ahead from each row's own seed, so a row's tokens depend on its seed, not on its
+Every family's LM (a :class:`~.decoder.DecoderLM`) decodes here. Upstream decodes one utterance
+at a time and samples in Python from the global random generator. Here utterances
+(:class:`LMRequest`) decode in a :class:`SlotPool`: continuous batching over a static KV cache, a
+decode step of fixed shapes that never waits on the host, one read back every few steps, CUDA
+graphs on CUDA; :class:`PoolStats` counts how full the slots were. Each row stops on its own (stop
+token, or 20x its text tokens; the stop token is refused before 2x), and repetition-aware sampling
+(:class:`Sampling`, the yaml's ``ras_sampling`` settings; :func:`sample`) runs for all rows at once
+on uniforms drawn ahead from each row's own seed, so a row's tokens depend on its seed, not on its
 neighbours, the pool size or when it was admitted.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,16 +25,6 @@ from torch import Tensor, nn
 from ..yamlconf import Call
 
 log = logging.getLogger(__name__)
-
-SPEECH_TOKENS = 6561
-
-
-class Cache:
-    """No cache: attention sees exactly the keys of this forward (a full, unpadded sequence)."""
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return k, v
-
 
 # Decode steps between two looks at which rows stopped: the one host sync of the loop. A row that
 # stops just after a look costs up to this many wasted slot-steps (a few percent of a segment).
@@ -101,132 +90,8 @@ class LMRequest:
     stop: str = ""  # filled by generate(): "eos" (its stop token), "length_cap" (max_tokens) or "nonfinite"
 
 
-class DecoderLM(nn.Module):
-    """What the slot pool needs of a speech-token LM, and batched decoding over it.
-
-    A subclass provides ``llm_decoder`` (hidden -> logits over speech ids and control ids),
-    ``speech_embedding`` (speech id -> input embedding), :meth:`prompt_embeddings`, :meth:`body`
-    (the decoder stack over new positions, reading and writing a KV cache), ``kv_layout`` and
-    ``hidden_size``. The stop rule is data: ids from ``stop_from`` on end a row, ids from
-    ``emit_limit`` on are never emitted, and ``min_len_masked`` (a slice of ids) is refused before
-    a row's minimum length.
-    """
-
-    speech_token_size: int = SPEECH_TOKENS
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._pool: SlotPool | None = None
-        # One decode at a time: the pool (and its CUDA graphs) is shared state. With two workers,
-        # one decodes while the other runs the flow and the vocoder.
-        self._decoding = threading.Lock()
-
-    # -- what a subclass provides ---------------------------------------------------------------
-    @property
-    def kv_layout(self) -> tuple[int, int, int]:
-        """(layers, kv_heads, head_dim) of the KV cache."""
-        raise NotImplementedError
-
-    @property
-    def hidden_size(self) -> int:
-        raise NotImplementedError
-
-    def prompt_embeddings(self, req: LMRequest, device: torch.device) -> Tensor:
-        """(P, H) input embeddings of a request's prompt (everything before its first speech token)."""
-        raise NotImplementedError
-
-    def body(self, x: Tensor, positions: Tensor, cache, mask: Tensor) -> Tensor:
-        """x: (B, T, H) inputs at ``positions`` (B or 1, T); returns (B, T, H) hidden states."""
-        raise NotImplementedError
-
-    # -- the stop rule (CosyVoice2's: one stop id, the ids after it never emitted) ---------------
-    @property
-    def stop_from(self) -> int:
-        return self.speech_token_size
-
-    @property
-    def emit_limit(self) -> int:
-        return self.speech_token_size + 1
-
-    @property
-    def min_len_masked(self) -> slice:
-        return slice(self.speech_token_size, self.speech_token_size + 1)
-
-    def finish_tokens(self, tokens: list[int]) -> list[int]:
-        """A decoded row's tokens as the flow gets them (CosyVoice3 drops long silences here)."""
-        return tokens
-
-    # -- decoding -------------------------------------------------------------------------------
-    def forward_full(self, embeds: Tensor) -> Tensor:
-        """Log-probabilities over speech ids at every position of one unpadded sequence (no cache).
-
-        The reference the cached batched decoder is tested against."""
-        t = embeds.size(0)
-        mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()[None, None]
-        positions = torch.arange(t, device=embeds.device)[None]
-        hidden = self.body(embeds[None], positions, Cache(), mask)
-        return self.llm_decoder(hidden[0]).log_softmax(-1)
-
-    def slot_pool(self, slots: int, capacity: int, max_steps: int, sampling: Sampling, cuda_graphs: bool = True,
-                  check_every: int = CHECK_EVERY) -> SlotPool:
-        """The pool of the last call when it fits (its CUDA graphs stay valid), else a new one."""
-        pool = self._pool
-        if pool is None or not pool.fits(slots, capacity, max_steps, sampling, cuda_graphs, check_every):
-            if pool is not None and pool.hidden.device.type == "cuda":
-                # The LM may run on a stream of its own: let it finish with the old cache before the
-                # allocator (which orders a free by the default stream) hands that memory out again.
-                torch.cuda.synchronize(pool.hidden.device)
-            self._pool = pool = None  # free the old cache before the new one is allocated
-            self._pool = SlotPool(self, slots, _round_up(capacity, LENGTH_BUCKET),
-                                  _round_up(max_steps, LENGTH_BUCKET), sampling, cuda_graphs, check_every)
-        return self._pool
-
-    def generate(self, requests: Sequence[LMRequest], sampling: Sampling | None = None, **options) -> list[list[int]]:
-        """Speech tokens for every request (stop token excluded); also stored in ``request.tokens``.
-        ``options`` are :meth:`decode`'s; ``self.last_stats`` says how full the slots were."""
-        tokens, self.last_stats = self.decode(requests, sampling, **options)
-        return tokens
-
-    @torch.inference_mode()
-    def decode(
-        self,
-        requests: Sequence[LMRequest],
-        sampling: Sampling | None = None,
-        min_ratio: float = 2.0,
-        max_ratio: float = 20.0,
-        slots: int | None = None,
-        cuda_graphs: bool = True,
-        check_every: int = CHECK_EVERY,
-    ) -> tuple[list[list[int]], PoolStats]:
-        """(tokens per request, this call's pool statistics). Requests decode in a pool of
-        ``slots`` decode slots (default: one per request); a slot takes the next waiting request as
-        soon as its row stops. Safe to call from several threads: calls take turns."""
-        sampling = sampling or Sampling()
-        out: list[list[int]] = [[] for _ in requests]
-        stops = ["length_cap"] * len(requests)  # what a row that makes no token (max_tokens 0) hit
-        hi = [r.max_tokens if r.max_tokens is not None else int(len(r.text) * max_ratio) for r in requests]
-        lo = [r.min_tokens if r.min_tokens is not None else int(len(r.text) * min_ratio) for r in requests]
-        todo = [i for i in range(len(requests)) if hi[i] > 0]  # nothing to generate for the others
-        stats = PoolStats()
-        if todo:
-            device = self.llm_decoder.weight.device
-            prompts = {i: self.prompt_embeddings(requests[i], device) for i in todo}
-            capacity = max(prompts[i].size(0) + hi[i] for i in todo) + 1
-            steps = max(hi[i] for i in todo)
-            # Longest first, so the last rows to finish are short ones and the slots stay full.
-            order = sorted(todo, key=lambda i: -hi[i])
-            work = [_Work(i, prompts[i], lo[i], hi[i], requests[i].seed) for i in order]
-            with self._decoding:
-                pool = self.slot_pool(slots or len(todo), capacity, steps, sampling, cuda_graphs, check_every)
-                stats = pool.run(work, out, stops)
-        for req, tokens, stop in zip(requests, out, stops, strict=True):
-            req.tokens, req.stop = tokens, stop
-        return out, stats
-
-
-
-
-def _round_up(value: int, step: int) -> int:
+def round_up(value: int, step: int) -> int:
+    """``value`` rounded up to a multiple of ``step``."""
     return -(-value // step) * step
 
 
@@ -280,7 +145,9 @@ def staged(values, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @dataclass
-class _Work:
+class SlotWork:
+    """One request as the pool takes it: where its tokens go, its prompt, its length limits, its seed."""
+
     index: int  # the request's position in the caller's list
     prompt: Tensor  # (P, H) prompt embeddings
     lo: int
@@ -333,9 +200,12 @@ class SlotPool:
     slots, and once no request waits, the remaining rows are moved down so n can halve. On CUDA each
     (n, window) step is captured in a CUDA graph the second time it is needed (the first, eager run
     is its warm-up) and replayed after that.
+
+    ``lm`` is the :class:`~.decoder.DecoderLM` that owns the pool (annotated as a module: the
+    decoder module imports this one, not the other way round).
     """
 
-    def __init__(self, lm: DecoderLM, slots: int, capacity: int, max_steps: int, sampling: Sampling,
+    def __init__(self, lm: nn.Module, slots: int, capacity: int, max_steps: int, sampling: Sampling,
                  cuda_graphs: bool = True, check_every: int = CHECK_EVERY):
         layers, kv_heads, head_dim = lm.kv_layout
         weight = lm.llm_decoder.weight
@@ -359,7 +229,7 @@ class SlotPool:
         self.recent_live = torch.zeros(slots, check_every, dtype=torch.bool, device=device)
         self.positions = torch.arange(capacity, device=device)
         # Host side, known without asking the device.
-        self.owner: list[_Work | None] = [None] * slots
+        self.owner: list[SlotWork | None] = [None] * slots
         self.bound = [0] * slots  # at least each slot's position
         self.left = [0] * slots  # at most the steps each slot may still take
         self.use_graphs = cuda_graphs and device.type == "cuda"
@@ -384,7 +254,7 @@ class SlotPool:
                 self.uniforms, self.recent, self.recent_live, self.nonfinite]
 
     # -- scheduling ---------------------------------------------------------------------------
-    def run(self, work: list[_Work], out: list[list[int]], stops: list[str] | None = None) -> PoolStats:
+    def run(self, work: list[SlotWork], out: list[list[int]], stops: list[str] | None = None) -> PoolStats:
         """Decode every request of ``work`` into ``out`` (tokens per request index); ``stops`` gets
         why each row ended."""
         stops = stops if stops is not None else [""] * len(out)
@@ -404,7 +274,7 @@ class SlotPool:
             steps = min(self.check_every, max(self.left[s] for s in used))
             start = max(self.bound[s] for s in used)
             for i in range(steps):
-                window = min(self.capacity, _round_up(start + i + 1, LENGTH_BUCKET))
+                window = min(self.capacity, round_up(start + i + 1, LENGTH_BUCKET))
                 self._run_step(n, window)
             self.stats.steps += steps
             self.stats.slot_steps += steps * n
@@ -412,10 +282,10 @@ class SlotPool:
         self.stats.graphs = len(self.graphs) - self.stats.graphs
         return self.stats
 
-    def _admit(self, placed: list[tuple[int, _Work]]) -> None:
+    def _admit(self, placed: list[tuple[int, SlotWork]]) -> None:
         device = self.hidden.device
         placed = sorted(placed, key=lambda p: p[1].prompt.size(0))
-        chunk: list[tuple[int, _Work]] = []
+        chunk: list[tuple[int, SlotWork]] = []
         for item in placed:
             if chunk and (len(chunk) + 1) * item[1].prompt.size(0) > PREFILL_TOKENS:
                 self._prefill(chunk)
@@ -441,7 +311,7 @@ class SlotPool:
         self.recent_live[slots] = False
         self.uniforms[slots] = staged(uniforms, torch.float64, device)
 
-    def _prefill(self, placed: list[tuple[int, _Work]]) -> None:
+    def _prefill(self, placed: list[tuple[int, SlotWork]]) -> None:
         """One forward over the prompts of ``placed`` (right-padded), keys into their slots, and
         each row's last hidden state into ``hidden``."""
         lm, device = self.lm, self.hidden.device
