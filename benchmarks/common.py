@@ -170,7 +170,7 @@ class Runs:
                 "max": _round(max(values), digits), "values": [_round(v, digits) for v in values]}
 
     def as_dict(self, keys: Sequence[str] | None = None, digits: int = 4) -> dict:
-        """{"baseline", "rounds", "variants": {name: {key: {median, min, max, values}, "vs_<baseline>":
+        """{"baseline", "rounds", "variants": {name: {key: {median, min, max, values}, "vs_baseline":
         {key: ratio of medians}, "round_ratios": {key: median of the per-round ratios}}}}."""
         out: dict = {"baseline": self.baseline, "rounds": max((len(v) for f in self.figures.values()
                                                                for v in f.values()), default=0), "variants": {}}
@@ -180,9 +180,9 @@ class Runs:
                 if self.values(name, key):
                     row[key] = self.stats(name, key, digits)
             if name != self.baseline:
-                row[f"vs_{self.baseline}"] = {k: _round(self.ratio(name, k), digits) for k in row}
-                row["round_ratios"] = {k: _round(median(self.round_ratios(name, k)), digits) for k in row
-                                       if k != f"vs_{self.baseline}"}
+                keys_here = list(row)
+                row["vs_baseline"] = {k: _round(self.ratio(name, k), digits) for k in keys_here}
+                row["round_ratios"] = {k: _round(median(self.round_ratios(name, k)), digits) for k in keys_here}
             out["variants"][name] = row
         return out
 
