@@ -225,13 +225,13 @@ def alternate(variants: dict[str, Callable[[int], dict | None]], rounds: int, ba
 
 
 # -- printing and JSON ---------------------------------------------------------------------------
-def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-    """Print aligned columns: the first left-aligned, the others right-aligned."""
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], left: Sequence[int] = (0,)) -> None:
+    """Print aligned columns: those in ``left`` (the first) left-aligned, the others right-aligned."""
     rows = [[str(c) for c in row] for row in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in rows if i < len(r))) for i, h in enumerate(header)]
 
     def line(cells: Sequence[str]) -> str:
-        return " ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths,
+        return " ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths,
                                                                                           strict=False)))
     print(line([str(h) for h in header]).rstrip())
     for row in rows:

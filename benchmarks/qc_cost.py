@@ -93,11 +93,11 @@ def main() -> None:
     def show() -> None:
         print(f"\n{args.rounds} rounds, {args.threads} thread(s); corpus {args.corpus}")
         table(["variant", "median wall s", "min..max", "audio-s/s", "wall / off", "per-round", "qc stage s",
-               "qc / off", " gate"],
+               "qc / off", "gate"],
               [[n, f"{runs.median(n, 'wall_s'):.1f}", runs.cell(n, "wall_s", ".1f", "range"),
                 f"{runs.median(n, 'audio_s_per_s'):.2f}", f"{runs.ratio(n, 'wall_s'):.3f}",
                 f"{median(runs.round_ratios(n, 'wall_s')):.3f}", f"{runs.median(n, 'qc_s'):.2f}",
-                f"{result[n]['qc_share_of_off']:.3f}", f" {gate[n]}"] for n in names])
+                f"{result[n]['qc_share_of_off']:.3f}", str(gate[n])] for n in names], left=(0, 8))
         print(f"goals (signals <= 1.03, asr-flagged <= 1.10; by the per-round wall ratio, and by the qc stage's "
               f"share): {goals}")
         print(json.dumps(line))
