@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -28,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, Report, alternate, cli, parse, table
+
 # A plain checkout (the GPU machine has cosybatch installed nowhere): this tree's package first, or
 # the baseline's tree for the baseline path's child (main() names it in COSYBATCH_E2E_TREE).
 sys.path.insert(0, os.environ.get("COSYBATCH_E2E_TREE") or str(ROOT))
@@ -260,17 +260,14 @@ def baseline_tree(ref: str, into: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "real"), default="real")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--items", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--paths", default="ours,baseline,upstream")
+    ap = cli(__doc__, rounds=1, device="cpu")
+    ap.add_argument("--size", choices=("tiny", "real"), default="real", help="random weights of this size")
+    ap.add_argument("--items", type=int, default=24, help="segments per round")
+    ap.add_argument("--paths", default="ours,baseline,upstream", help="comma-separated paths to time")
     ap.add_argument("--baseline", default=BASELINE, help="git commit of the baseline path")
-    ap.add_argument("--precision", default="fp32")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16")
     ap.add_argument("--lm-slots", type=int, default=None, help="decode slots (default: the engine's)")
-    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="ours: the LM decodes eagerly")
     ap.add_argument("--flow-backend", default="torch", help="ours: torch, onnx or tensorrt (the engine option)")
     ap.add_argument("--workers", type=int, default=1, help="ours: threads sharing the engine (as run --workers)")
     ap.add_argument("--lm-attention", choices=("default", "math"), default="default",
@@ -278,7 +275,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=("ours", "baseline", "upstream"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--segments", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse(ap)
     if args.worker:
         worker(args)
         return
@@ -288,13 +285,13 @@ def main() -> None:
     texts = segments_spec(args.items)
     audio_s = sum(20 * len(t) * 2 * 480 for t in texts) / 24000
     paths = args.paths.split(",")
-    times: dict[str, list[float]] = {p: [] for p in paths}
     stages: dict[str, list[dict]] = {}  # seconds in each stage, per round (not for upstream)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model_dir(Path(tmp) / "model", size=args.size)
         old = baseline_tree(args.baseline, Path(tmp)) if "baseline" in paths else None
-        for _ in range(args.rounds):
-            for path in paths:
+
+        def path_run(path: str):
+            def once(rnd: int) -> dict:
                 env = dict(os.environ)
                 if path == "baseline":
                     env["PYTHONPATH"] = str(old) + os.pathsep + env.get("PYTHONPATH", "")
@@ -313,27 +310,33 @@ def main() -> None:
                 expected = old if path == "baseline" else ROOT
                 if not line["cosybatch"].startswith(str(expected)):
                     raise SystemExit(f"{path} imported cosybatch from {line['cosybatch']}, not {expected}")
-                times[path].append(line["wall"])
                 stages.setdefault(path, []).append({k: round(line[k], 1) for k in ("lm_seconds", "flow_seconds",
                                                                                   "hift_seconds")})
-    walls = {p: statistics.median(v) for p, v in times.items()}
+                return {"wall_s": line["wall"]}
+            return once
+
+        runs = alternate({p: path_run(p) for p in paths}, args.rounds, baseline="ours" if "ours" in paths else None)
+    walls = {p: runs.median(p, "wall_s") for p in paths}
     result = {"size": args.size, "device": args.device, "items": args.items, "audio_s": round(audio_s, 1),
               "precision": args.precision, "flow_backend": args.flow_backend, "baseline": args.baseline,
               "rounds": args.rounds,
               "paths": {p: {"wall_s": round(w, 2), "audio_s_per_s": round(audio_s / w, 3), "rtf": round(w / audio_s, 4),
+                            "wall_range_s": [round(min(runs.values(p, "wall_s")), 2),
+                                             round(max(runs.values(p, "wall_s")), 2)],
                             "stages_per_round": stages.get(p) if p != "upstream" else None}
                         for p, w in walls.items()}}
     if "ours" in walls:
-        result["ours_vs"] = {p: round(w / walls["ours"], 2) for p, w in walls.items() if p != "ours"}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{args.items} segments, {audio_s:.1f} s of audio, {args.size} weights, {args.device}, {args.precision}")
-    print(f"{'path':<10} {'wall s':>8} {'audio-s/s':>10} {'RTF':>8}")
-    for p, w in walls.items():
-        print(f"{p:<10} {w:>8.1f} {audio_s / w:>10.3f} {w / audio_s:>8.4f}")
-    for p, ratio in result.get("ours_vs", {}).items():
-        print(f"ours is {ratio}x {p}")
+        result["ours_vs"] = {p: round(runs.ratio(p, "wall_s"), 2) for p in paths if p != "ours"}
+
+    def show() -> None:
+        print(f"{args.items} segments, {audio_s:.1f} s of audio, {args.size} weights, {args.device}, {args.precision}")
+        table(["path", "wall s", "min..max", "audio-s/s", "RTF"],
+              [[p, f"{w:.1f}", runs.cell(p, "wall_s", ".1f", "range"), f"{audio_s / w:.3f}", f"{w / audio_s:.4f}"]
+               for p, w in walls.items()])
+        for p, ratio in result.get("ours_vs", {}).items():
+            print(f"ours is {ratio}x {p}")
+
+    Report(args.json, "cosyvoice_e2e").emit(result, show)
 
 
 if __name__ == "__main__":

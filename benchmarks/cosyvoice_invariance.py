@@ -13,13 +13,12 @@ differently, amplified by the vocoder's phase integration (see the README).
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import Report, cli, parse
 
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
 from cosybatch.engines.cosyvoice import CosyVoiceOptions
@@ -98,11 +97,11 @@ def run(engine, rows, together: bool, voice: VoiceRequest) -> tuple[dict, dict, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
-    ap.add_argument("--family", choices=("v1", "v2", "v3"), default="v2")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    ap = cli(__doc__)
+    ap.add_argument("--size", choices=("tiny", "real"), default="tiny", help="random weights of this size")
+    ap.add_argument("--family", choices=("v1", "v2", "v3"), default="v2",
+                    help="v1: CosyVoice-300M-SFT, v2: CosyVoice2, v3: Fun-CosyVoice3")
+    args = parse(ap)
     torch.set_num_threads(1)
     rows = [(f"row-{i}", t) for i, t in enumerate(TEXTS)]
     result = {"family": args.family, "size": args.size, "rows": len(rows), "configs": {}}
@@ -138,15 +137,16 @@ def main() -> None:
                 "snr_db_min": round(min(snr), 1), "snr_db_median": round(float(np.median(snr)), 1),
                 "bit_identical_rows": sum(x == float("inf") for x in snr), "max_diff_16bit_lsb": round(diff, 1),
             }
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{args.family}: {len(rows)} rows, {args.size} weights, CPU; reference: one segment at a time, 1 slot")
-    for name, r in result["configs"].items():
-        print(f"{name}: tokens identical in {r['segments_identical']} of {r['segments']} segments "
-              f"(others diverge at token {r['diverged_at_token']}); on the {r['rows_compared']} rows with "
-              f"identical tokens: {r['bit_identical_rows']} bit-identical, SNR min {r['snr_db_min']} dB, median "
-              f"{r['snr_db_median']} dB, max diff {r['max_diff_16bit_lsb']} LSB")
+
+    def show() -> None:
+        print(f"{args.family}: {len(rows)} rows, {args.size} weights, CPU; reference: one segment at a time, 1 slot")
+        for name, r in result["configs"].items():
+            print(f"{name}: tokens identical in {r['segments_identical']} of {r['segments']} segments "
+                  f"(others diverge at token {r['diverged_at_token']}); on the {r['rows_compared']} rows with "
+                  f"identical tokens: {r['bit_identical_rows']} bit-identical, SNR min {r['snr_db_min']} dB, median "
+                  f"{r['snr_db_median']} dB, max diff {r['max_diff_16bit_lsb']} LSB")
+
+    Report(args.json, "cosyvoice_invariance").emit(result, show)
 
 
 if __name__ == "__main__":

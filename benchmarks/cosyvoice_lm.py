@@ -13,14 +13,13 @@ totals, are compared), one after another in one process.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import Report, cli, parse, table
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cosybatch.cosyvoice.lm.slots import LMRequest, Sampling, SlotPool
@@ -74,15 +73,12 @@ def sync(device: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "real"), default="real")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--slots", default="1,4,8,16,32")
-    ap.add_argument("--precision", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = ap.parse_args()
+    ap = cli(__doc__, threads=1, device="cpu")
+    ap.add_argument("--size", choices=("tiny", "real"), default="real", help="random weights of this size")
+    ap.add_argument("--slots", default="1,4,8,16,32", help="comma-separated slot counts, each decoding its own queue")
+    ap.add_argument("--precision", choices=sorted(DTYPES), default="fp32", help="the LM's weights")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    args = parse(ap)
     torch.set_num_threads(args.threads)
     slot_counts = [int(s) for s in args.slots.split(",")]
     sampling = Sampling()
@@ -129,16 +125,16 @@ def main() -> None:
     result = {"size": args.size, "device": args.device, "precision": args.precision, "threads": args.threads,
               "rows": rows, "weight_casts_per_step_bf16": casts,
               "weight_casts_per_step_fp32_under_autocast": autocast_casts if casts is not None else None}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{args.size} LM, {args.device}, {args.precision}, threads={args.threads}")
-    print(f"{'slots':>5} {'tokens/s':>9} {'x':>6} {'live':>6} {'syncs/step':>10} {'kernels/step':>12}")
-    for r in rows:
-        print(f"{r['slots']:>5} {r['tokens_per_s']:>9} {r['speedup_vs_first']:>6} {r['live_fraction']:>6} "
-              f"{r['host_syncs_per_step']:>10} {r['kernels_per_step']!s:>12}")
-    autocast = result["weight_casts_per_step_fp32_under_autocast"]
-    print(f"weight casts per step: bf16 weights {casts}, fp32 weights under autocast {autocast}")
+
+    def show() -> None:
+        print(f"{args.size} LM, {args.device}, {args.precision}, threads={args.threads}")
+        table(["slots", "tokens/s", "x", "live", "syncs/step", "kernels/step"],
+              [[r["slots"], r["tokens_per_s"], r["speedup_vs_first"], r["live_fraction"], r["host_syncs_per_step"],
+                str(r["kernels_per_step"])] for r in rows])
+        autocast = result["weight_casts_per_step_fp32_under_autocast"]
+        print(f"weight casts per step: bf16 weights {casts}, fp32 weights under autocast {autocast}")
+
+    Report(args.json, "cosyvoice_lm").emit(result, show)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,15 @@ same sentences and prints audio-seconds per wall-second (model load excluded), a
 ratio to cosybatch's CPU default (batch 1, one worker per core, one intra-op thread each, 1-D convs run as 2-D).
 Batches of more than one piece run in two stages (the default for batches) unless a setting says otherwise.
 
-    python benchmarks/cpu_settings.py [--sentences 64] [--rounds 2]
+    python benchmarks/cpu_settings.py [--sentences 64] [--rounds 2] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
-from common import median, sentences, write_corpus
+from common import Report, alternate, cli, parse, sentences, write_corpus
 
 from cosybatch.config import RunConfig, cpu_count
 from cosybatch.run.local import run
@@ -32,23 +31,25 @@ SETTINGS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sentences", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    args = ap.parse_args()
+    ap = cli(__doc__, rounds=2, rows=64, aliases={"rows": ["--sentences"]},
+             helps={"rows": "lines of examples/sentences.txt to synthesise"})
+    args = parse(ap)
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = write_corpus(sentences(args.sentences), Path(tmp) / "c.parquet")
-        rates: dict[str, list[float]] = {name: [] for name in SETTINGS}
-        for r in range(args.rounds):
-            for k, (name, overrides) in enumerate(SETTINGS.items()):
-                cfg = RunConfig(corpus=corpus, out=Path(tmp) / f"out-{r}-{k}", device="cpu",
-                                progress="none", **overrides)
+        corpus = write_corpus(sentences(args.rows), Path(tmp) / "c.parquet")
+
+        def setting(k: int, overrides: dict):
+            def once(rnd: int) -> dict:
+                cfg = RunConfig(corpus=corpus, out=Path(tmp) / f"out-{rnd}-{k}", device="cpu", progress="none",
+                                **overrides)
                 s = run(cfg).stats
-                rates[name].append(s["audio_seconds"] / (s["wall_seconds"] - s["stage_seconds"]["load"]))
-        base = median(rates[next(iter(SETTINGS))])
-        print(f"{'setting':48s} {'audio-s/s':>10s} {'vs default':>10s}")
-        for name, values in rates.items():
-            print(f"{name:48s} {median(values):10.1f} {median(values) / base:10.2f}x")
+                return {"audio_s_per_s": s["audio_seconds"] / (s["wall_seconds"] - s["stage_seconds"]["load"])}
+            return once
+
+        runs = alternate({name: setting(k, o) for k, (name, o) in enumerate(SETTINGS.items())}, args.rounds)
+    result = {"benchmark": "cpu_settings", "sentences": args.rows, **runs.as_dict()}
+    Report(args.json, "cpu_settings").emit(result, lambda: runs.table(
+        [("audio-s/s", "audio_s_per_s", ".1f"), ("min..max", "audio_s_per_s", ".1f", "range"),
+         ("vs default", "audio_s_per_s", ".2f", "ratio")], first="setting"))
 
 
 if __name__ == "__main__":

@@ -8,20 +8,22 @@ side by side; then what reading every clip back through Lhotse's `load_audio()` 
     python benchmarks/exports.py                      # runs the main job (examples/corpus.parquet, ~15 s)
     python benchmarks/exports.py --folder out/corpus  # an output folder you already have
 
-Each export is timed best of --repeat, cold: its folder (and exports/wavs for a copying one)
-removed first. Disk is what the export added (allocated blocks, as `du` counts them; NeMo's
-audio_N.tar links count as the links, not the shards they point to).
+Each export is timed best of --repeat (--rounds), cold: its folder (and exports/wavs for a copying
+one) removed first; the four exports take turns within every round. Disk is what the export added
+(allocated blocks, as `du` counts them; NeMo's audio_N.tar links count as the links, not the shards
+they point to).
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import Report, alternate, cli, parse, table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,15 +40,14 @@ def disk(*paths: Path) -> int:
     return total
 
 
-def timed_export(folder: Path, fmt: str, copy: bool, repeat: int) -> tuple[float, int]:
-    best = float("inf")
-    for _ in range(repeat):
-        shutil.rmtree(folder / "exports", ignore_errors=True)
-        t = time.perf_counter()
-        export(folder, fmt, copy=copy)
-        best = min(best, time.perf_counter() - t)
+def timed_export(folder: Path, fmt: str, copy: bool) -> dict:
+    """One cold export: {"seconds", "disk_bytes"}."""
+    shutil.rmtree(folder / "exports", ignore_errors=True)
+    t = time.perf_counter()
+    export(folder, fmt, copy=copy)
+    seconds = time.perf_counter() - t
     added = [folder / "exports" / fmt] + ([folder / "exports" / "wavs"] if copy else [])
-    return best, disk(*added)
+    return {"seconds": seconds, "disk_bytes": disk(*added)}
 
 
 def cuts_of(folder: Path):
@@ -79,10 +80,10 @@ def read_all(folder: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, help="a finished output folder (default: run the main job)")
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    ap = cli(__doc__, rounds=3, aliases={"rounds": ["--repeat"]},
+             helps={"rounds": "timings of each export, the four taking turns; the best counts"})
+    ap.add_argument("--folder", type=Path, help="a finished output folder (default: run the main job)")
+    args = parse(ap)
     tmp = Path(tempfile.mkdtemp(prefix="cosybatch-exports-"))
     try:
         if args.folder is None:
@@ -95,14 +96,20 @@ def main() -> None:
         shards = sorted(folder.glob("shard-*.tar")) + sorted(folder.glob("part-*/shard-*.tar"))
         items = sum(1 for _ in cuts_of_manifest(folder))
         tar_mib = sum(s.stat().st_size for s in shards) / 2**20
-        print(f"{folder.name}: {items} clips in {len(shards)} shards, {tar_mib:.1f} MiB of tar; best of {args.repeat}")
-        rows = []
-        for fmt in ("lhotse", "nemo"):
-            for copy in (False, True):
-                seconds, size = timed_export(folder, fmt, copy, args.repeat)
-                read = read_all(folder) if fmt == "lhotse" else None
-                rows.append((f"{fmt} {'--copy (loose WAVs)' if copy else '(points into the shards)'}", seconds, size,
-                             read))
+        print(f"{folder.name}: {items} clips in {len(shards)} shards, {tar_mib:.1f} MiB of tar; best of {args.rounds}")
+
+        def variant(fmt: str, copy: bool):
+            def once(rnd: int) -> dict:
+                figures = timed_export(folder, fmt, copy)
+                if fmt == "lhotse" and rnd == 0:  # reading back: once, after the first export of each form
+                    figures["read_s"] = read_all(folder)
+                return figures
+            return once
+
+        runs = alternate({f"{fmt} {'--copy (loose WAVs)' if copy else '(points into the shards)'}": variant(fmt, copy)
+                          for fmt in ("lhotse", "nemo") for copy in (False, True)}, args.rounds)
+        rows = [(name, min(runs.values(name, "seconds")), runs.values(name, "disk_bytes")[-1],
+                 (runs.values(name, "read_s") or [None])[0]) for name in runs.names]
         # Lhotse Shar, written by lhotse from the copying export's cuts (its Shar writer asks each
         # recording's source format, which a command source has none of): its own recording tars.
         shutil.rmtree(folder / "exports", ignore_errors=True)
@@ -114,10 +121,16 @@ def main() -> None:
         cuts.to_shar(shar, fields={"recording": "wav"}, shard_size=1000)
         shar_s = time.perf_counter() - t
         rows.append(("lhotse Shar (lhotse's writer, a copy)", shar_s, disk(shar), read_shar(shar)))
-
-        print(f"{'export':42} {'time s':>8} {'disk MiB':>9} {'read all s':>11}")
-        for name, seconds, size, read in rows:
-            print(f"{name:42} {seconds:8.3f} {size / 2**20:9.2f} {'' if read is None else f'{read:11.3f}'}")
+        result = {"benchmark": "exports", "folder": folder.name, "clips": items, "shards": len(shards),
+                  "tar_mib": round(tar_mib, 2), "rounds": args.rounds,
+                  "exports": {name: {"best_s": round(seconds, 4), "disk_mib": round(size / 2**20, 3),
+                                     "read_all_s": None if read is None else round(read, 3)}
+                              for name, seconds, size, read in rows},
+                  "timings": runs.as_dict(["seconds"])}
+        Report(args.json, "exports").emit(result, lambda: table(
+            ["export", "time s", "disk MiB", "read all s"],
+            [[name, f"{seconds:.3f}", f"{size / 2**20:.2f}", "" if read is None else f"{read:.3f}"]
+             for name, seconds, size, read in rows]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -16,8 +16,6 @@ process never ran the exporter) and the load from the cache (hash check and sess
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,16 +23,16 @@ import time
 from pathlib import Path
 
 import torch
+from common import Report, alternate, cli, parse, table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from token2wav import make_items, sync  # noqa: E402  (the same items and sync as token2wav.py)
+
 from cosybatch.cosyvoice.flow.cfm import FlowInput  # noqa: E402
 from cosybatch.cosyvoice.pipeline import Token2Wav  # noqa: E402
 from cosybatch.cosyvoice.tiny import write_model_dir  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from token2wav import make_items, sync  # noqa: E402  (the same items and sync as token2wav.py)
 
 
 def run(t2w: Token2Wav, items: list[FlowInput], batch: int) -> tuple[float, list[torch.Tensor]]:
@@ -51,20 +49,17 @@ def run(t2w: Token2Wav, items: list[FlowInput], batch: int) -> tuple[float, list
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "real"), default="real")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    ap = cli(__doc__, rounds=3, threads=1, device="cpu",
+             helps={"threads": "torch and onnxruntime intra-op threads (CPU)"})
+    ap.add_argument("--size", choices=("tiny", "real"), default="real", help="random weights of this size")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="the flow's precision")
     ap.add_argument("--backends", default="torch,onnx", help="comma-separated flow backends (torch first)")
-    ap.add_argument("--items", type=int, default=6)
+    ap.add_argument("--items", type=int, default=6, help="utterances per round")
     ap.add_argument("--batch", type=int, default=1, help="items per flow call (the engine's CPU default is 1)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch and onnxruntime intra-op threads (CPU)")
     ap.add_argument("--cache", type=Path, default=None,
                     help="cache folder for the export (default: a fresh one, so the export is timed)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--export-only", type=Path, metavar="MODEL", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse(ap)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     backends = args.backends.split(",")
@@ -96,42 +91,43 @@ def main() -> None:
         audio_s = frames * engines["torch"].samples_per_frame / engines["torch"].sample_rate
         for t2w in engines.values():  # warm-up: allocator, kernels, onnxruntime's first run
             run(t2w, items[:1], 1)
-        times: dict[str, list[float]] = {b: [] for b in backends}
-        diffs: dict[str, float] = {}
-        for _ in range(args.rounds):
-            ref = None
-            for backend in backends:
-                seconds, mels = run(engines[backend], items, args.batch)
-                times[backend].append(seconds)
-                if ref is None:
-                    ref = mels
-                else:
-                    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(mels, ref, strict=True))
-                    diffs[backend] = max(diffs.get(backend, 0.0), diff)
-    base = statistics.median(times["torch"])
+        mels_of: dict[tuple[str, int], list] = {}  # (backend, round) -> mels, compared with torch's below
+
+        def backend_run(backend: str):
+            def once(rnd: int) -> dict:
+                seconds, mels_of[backend, rnd] = run(engines[backend], items, args.batch)
+                return {"seconds": seconds}
+            return once
+
+        runs = alternate({b: backend_run(b) for b in backends}, args.rounds, baseline="torch")
+        diffs = {b: max(float((x.float() - y.float()).abs().max()) for r in range(args.rounds)
+                        for x, y in zip(mels_of[b, r], mels_of["torch", r], strict=True)) for b in backends[1:]}
     result = {
         "size": args.size, "device": str(device), "precision": args.precision, "threads": torch.get_num_threads(),
         "items": args.items, "batch": args.batch, "rounds": args.rounds, "audio_s": round(audio_s, 2),
         "torch": torch.__version__,
-        "backends": {b: {"seconds": round(statistics.median(v), 3), "all_seconds": [round(x, 3) for x in v],
-                         "audio_s_per_s": round(audio_s / statistics.median(v), 3),
-                         "speed_vs_torch": round(base / statistics.median(v), 3),
+        "backends": {b: {"seconds": round(runs.median(b, "seconds"), 3),
+                         "all_seconds": [round(x, 3) for x in runs.values(b, "seconds")],
+                         "min_seconds": round(min(runs.values(b, "seconds")), 3),
+                         "max_seconds": round(max(runs.values(b, "seconds")), 3),
+                         "audio_s_per_s": round(audio_s / runs.median(b, "seconds"), 3),
+                         "speed_vs_torch": round(1 / runs.ratio(b, "seconds"), 3),
                          "max_abs_mel_diff_vs_torch": diffs.get(b, 0.0),
                          "load_s": round(loads[b], 2),
                          "export_process_s": round(exports[b], 1) if b in exports else None}
-                     for b, v in times.items()},
+                     for b in backends},
     }
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{args.items} items, {audio_s:.1f} s of audio, {args.size} weights, {device}, {args.precision}, "
-          f"threads={torch.get_num_threads()}, batch {args.batch}, median of {args.rounds} rounds")
-    print(f"{'flow backend':<14} {'s/round':>8} {'audio-s/s':>10} {'vs torch':>9} {'max |dmel|':>11} "
-          f"{'load s':>7} {'export s':>9}")
-    for b, row in result["backends"].items():
-        export = "-" if row["export_process_s"] is None else f"{row['export_process_s']:.1f}"
-        print(f"{b:<14} {row['seconds']:>8.2f} {row['audio_s_per_s']:>10.2f} {row['speed_vs_torch']:>8.2f}x "
-              f"{row['max_abs_mel_diff_vs_torch']:>11.2e} {row['load_s']:>7.1f} {export:>9}")
+
+    def show() -> None:
+        print(f"{args.items} items, {audio_s:.1f} s of audio, {args.size} weights, {device}, {args.precision}, "
+              f"threads={torch.get_num_threads()}, batch {args.batch}, median of {args.rounds} rounds")
+        table(["flow backend", "s/round", "min..max", "audio-s/s", "vs torch", "max |dmel|", "load s", "export s"],
+              [[b, f"{row['seconds']:.2f}", runs.cell(b, "seconds", ".2f", "range"), f"{row['audio_s_per_s']:.2f}",
+                f"{row['speed_vs_torch']:.2f}x", f"{row['max_abs_mel_diff_vs_torch']:.2e}", f"{row['load_s']:.1f}",
+                "-" if row["export_process_s"] is None else f"{row['export_process_s']:.1f}"]
+               for b, row in result["backends"].items()])
+
+    Report(args.json, "flow_onnx").emit(result, show)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from common import Report, cli, parse
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -473,26 +475,27 @@ def print_summary(summary: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli(__doc__, seed=0, helps={"seed": "seed of the batches' rows",
+                                      "json": "also write the final JSON here (a .json file, or a folder to write "
+                                              "gpu_memory.json in)"})
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no torch, no GPU)")
     ap.add_argument("--quick", action="store_true", help="fewer batches and shorter budgets (about 3 minutes)")
     ap.add_argument("--batches", type=int, default=None, help="section (a) batches (default 100, quick 30)")
     ap.add_argument("--speed-batches", type=int, default=None, help="section (c) batches (default 10, quick 5)")
-    ap.add_argument("--sections", default="a,b,c", type=lambda s: [x.strip() for x in s.split(",") if x.strip()])
+    ap.add_argument("--sections", default="a,b,c", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                    help="comma-separated sections to run: a (flat), b (low fraction), c (speed)")
     ap.add_argument("--variants", default=None, type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     help="section (c): pool,nopool,native (default all three; quick: pool,nopool)")
-    ap.add_argument("--fraction", type=float, default=0.9)
-    ap.add_argument("--low-fraction", type=float, default=0.3)
+    ap.add_argument("--fraction", type=float, default=0.9, help="setup_pool's memory fraction, sections (a), (c)")
+    ap.add_argument("--low-fraction", type=float, default=0.3, help="section (b)'s memory fraction")
     ap.add_argument("--long-tokens", type=int, default=40, help="section (b) text tokens per row (x20 speech)")
-    ap.add_argument("--long-batch", type=int, default=32)
+    ap.add_argument("--long-batch", type=int, default=32, help="section (b) rows in its batch")
     ap.add_argument("--budget-s", type=float, default=450, help="stop starting sections after this many seconds")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the code paths")
-    ap.add_argument("--size", choices=("real", "tiny"), default="real")
+    ap.add_argument("--size", choices=("real", "tiny"), default="real", help="random weights of this size")
     ap.add_argument("--model-dir", type=Path, default=None, help="reused when complete (default: under /tmp)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None, help="also write the final JSON here")
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse(ap)
     if args.child is not None:
         child(args.child)
         return
@@ -569,11 +572,10 @@ def main() -> None:
     out["elapsed_s"]["total"] = round(time.perf_counter() - t0, 1)
     print(f"total: {out['elapsed_s']['total']} s")
     line = json.dumps(out, default=str, separators=(",", ":"))
-    if args.json is not None:
-        try:
-            args.json.write_text(line + "\n", encoding="utf-8")
-        except OSError as exc:
-            print(f"could not write {args.json}: {exc}", file=sys.stderr)
+    try:
+        Report(None if args.json == "-" else args.json, "gpu_memory", indent=None).save(out)
+    except OSError as exc:
+        print(f"could not write {args.json}: {exc}", file=sys.stderr)
     print(line)
 
 

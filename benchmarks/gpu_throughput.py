@@ -52,11 +52,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(HERE))
 
+from common import Report, cli, parse  # noqa: E402  (the standard library only)
 from cosyvoice_e2e import segments_spec  # noqa: E402
 
 from cosybatch.gpu import ENV, configure_allocator  # noqa: E402  (never imports torch)
-
-JSON_NAME = "gpu_throughput.json"
 
 
 def ours(precision: str = "bf16", slots: int = 64, graphs: bool = True, **more) -> dict:
@@ -353,37 +352,17 @@ def line_for(row: dict) -> str:
             f"alloc={row.get('allocator')} x_upstream={row.get('speedup_vs_upstream')}")
 
 
-class Report:
-    """The result, rewritten to the --json file after every row (only $OUT comes back from a GPU run)."""
-
-    def __init__(self, target: Path | None, result: dict):
-        self.result = result
-        self.path = None if target is None else (target if target.suffix == ".json" else target / JSON_NAME)
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.writes = 0
-
-    def save(self) -> None:
-        if self.path is None:
-            return
-        self.writes += 1
-        self.result["json_writes"] = self.writes
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.result, indent=1))
-        tmp.replace(self.path)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--items", type=int, default=128)
-    ap.add_argument("--upstream-items", type=int, default=12)
-    ap.add_argument("--asr-clips", type=int, default=128)
+    ap = cli(__doc__, helps={"json": "a .json file, or a folder to write gpu_throughput.json in; rewritten after "
+                                     "every row (alone: no file, the last stdout line still has every figure)"})
+    ap.add_argument("--items", type=int, default=128, help="segments per row of ours")
+    ap.add_argument("--upstream-items", type=int, default=12, help="segments of the upstream row")
+    ap.add_argument("--asr-clips", type=int, default=128, help="clips of the asr row")
     ap.add_argument("--budget", type=float, default=470, help="seconds for everything, model writing included")
-    ap.add_argument("--json", type=Path, help="a .json file, or a folder to write gpu_throughput.json in")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny weights, 6 segments, the plan's code paths")
     ap.add_argument("--graph-check", nargs=2, metavar=("MODEL", "DEVICE"), help=argparse.SUPPRESS)
     ap.add_argument("--asr-worker", nargs=3, metavar=("DEVICE", "TINY", "CLIPS"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse(ap)
     if args.graph_check:
         print(json.dumps(graph_check(Path(args.graph_check[0]), args.graph_check[1])))
         return
@@ -412,7 +391,7 @@ def main() -> None:
 
         result["gpu"] = torch.cuda.get_device_name(0)
         result["torch"] = torch.__version__
-    report = Report(args.json, result)
+    report = Report(args.json, "gpu_throughput", count_writes=True)
     with tempfile.TemporaryDirectory() as tmp:
         t = time.monotonic()
         model = write_model_dir(Path(tmp) / "model", size=size)
@@ -420,7 +399,7 @@ def main() -> None:
         check = run_child([sys.executable, __file__, "--graph-check", str(model), device],
                           min(180.0, deadline - time.monotonic()))
         result["graphs"] = check
-        report.save()
+        report.save(result)
         print("graphs", json.dumps(short(check)), flush=True)
         upstream_rtf = None
         for row in plan:
@@ -431,7 +410,7 @@ def main() -> None:
                 reason = f"not reached: {left:.0f} s of the budget left"
             if reason is not None:
                 result["skipped"].append({"row": name, "reason": reason})
-                report.save()
+                report.save(result)
                 print(f"{name}: skipped ({reason[:200]})", flush=True)
                 continue
             timeout = left - 5
@@ -440,7 +419,7 @@ def main() -> None:
                                  str(args.asr_clips)], timeout)
                 if "skipped" in out:
                     result["skipped"].append({"row": name, "reason": out["skipped"]})
-                    report.save()
+                    report.save(result)
                     print(f"{name}: skipped ({out['skipped']})", flush=True)
                     continue
             else:
@@ -462,10 +441,10 @@ def main() -> None:
                             out["speedup_vs_upstream"] = round(upstream_rtf / out["rtf"], 2)
             out = {**row, "row": name, **out}
             result["runs"].append(out)
-            report.save()
+            report.save(result)
             print(line_for(out), flush=True)
     result["seconds"] = round(args.budget - (deadline - time.monotonic()), 1)
-    report.save()
+    report.save(result)
     summary = {k: v for k, v in result.items() if k not in ("runs", "graphs", "configure_note")}
     summary["graphs"] = short(result["graphs"])
     summary["runs"] = [short(r) for r in result["runs"]]

@@ -4,12 +4,11 @@ Both are timed end to end as a user runs them (process start, voice load, synthe
 WAVs), on the same 100 sentences with the bundled en_US-joe-medium voice. Prints each tool's
 audio-seconds per wall-second (median over rounds) and their ratio.
 
-    python benchmarks/piper_cli_vs_cosybatch.py [--sentences 100] [--rounds 3]
+    python benchmarks/piper_cli_vs_cosybatch.py [--sentences 100] [--rounds 3] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 import soundfile
-from common import median, sentences, write_corpus
+from common import Report, alternate, cli, parse, sentences, write_corpus
 
 from cosybatch.engines.piper.voice import bundled_voice
 
@@ -41,29 +40,38 @@ def run_cosybatch(corpus: Path, out: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sentences", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-    texts = sentences(args.sentences)
+    ap = cli(__doc__, rounds=3, rows=100, aliases={"rows": ["--sentences"]},
+             helps={"rows": "lines of examples/sentences.txt to synthesise"})
+    args = parse(ap)
+    texts = sentences(args.rows)
     model, _ = bundled_voice()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         lines = tmp / "lines.txt"
         lines.write_text("\n".join(texts) + "\n", encoding="utf-8")
         corpus = write_corpus(texts, tmp / "corpus.parquet")
-        rates: dict[str, list[float]] = {"piper CLI": [], "cosybatch": []}
-        for r in range(args.rounds):
-            audio, wall = run_piper(model, lines, tmp / f"piper-{r}")
-            rates["piper CLI"].append(audio / wall)
-            print(f"round {r}: piper CLI  {audio:7.1f} audio-s in {wall:6.1f} s", flush=True)
-            audio, wall = run_cosybatch(corpus, tmp / f"cosybatch-{r}")
-            rates["cosybatch"].append(audio / wall)
-            print(f"round {r}: cosybatch  {audio:7.1f} audio-s in {wall:6.1f} s", flush=True)
-    print(f"\n{args.sentences} sentences, {args.rounds} rounds, audio-seconds per wall-second (median):")
-    for name, values in rates.items():
-        print(f"  {name:10s} {median(values):6.1f}")
-    print(f"  ratio cosybatch / piper CLI: {median(rates['cosybatch']) / median(rates['piper CLI']):.2f}x")
+        tools = {"piper CLI": lambda rnd: run_piper(model, lines, tmp / f"piper-{rnd}"),
+                 "cosybatch": lambda rnd: run_cosybatch(corpus, tmp / f"cosybatch-{rnd}")}
+
+        def timed(tool):
+            def once(rnd: int) -> dict:
+                audio, wall = tools[tool](rnd)
+                return {"audio_s": audio, "wall_s": wall, "audio_s_per_s": audio / wall}
+            return once
+
+        def say(rnd: int, name: str, f: dict) -> None:
+            print(f"round {rnd}: {name:10s} {f['audio_s']:7.1f} audio-s in {f['wall_s']:6.1f} s", flush=True)
+
+        runs = alternate({name: timed(name) for name in tools}, args.rounds, baseline="piper CLI", say=say)
+    result = {"benchmark": "piper_cli_vs_cosybatch", "sentences": args.rows, **runs.as_dict()}
+
+    def show() -> None:
+        print(f"\n{args.rows} sentences, {args.rounds} rounds, audio-seconds per wall-second (median):")
+        runs.table([("audio-s/s", "audio_s_per_s", ".1f"), ("min..max", "audio_s_per_s", ".1f", "range"),
+                    ("vs piper CLI", "audio_s_per_s", ".2f", "ratio")], first="tool")
+        print(f"  ratio cosybatch / piper CLI: {runs.ratio('cosybatch', 'audio_s_per_s'):.2f}x")
+
+    Report(args.json, "piper_cli_vs_cosybatch").emit(result, show)
 
 
 if __name__ == "__main__":

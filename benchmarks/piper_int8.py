@@ -15,12 +15,12 @@ mel-cepstral-distance).
 3. End to end as a user runs them, alternating: piper's CLI, `cosybatch run`, and `cosybatch run
    --precision int8` (its cache built beforehand), on the same sentences.
 
-    python benchmarks/piper_int8.py [--variants decoder,flow-decoder,convs] [--rounds 3] [--e2e-rounds 3]
+    python benchmarks/piper_int8.py [--variants decoder,flow-decoder,convs] [--rounds 3] [--e2e-rounds 3] \\
+        [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import soundfile
-from common import median, sentences, write_corpus
+from common import Report, Runs, alternate, cli, order, parse, sentences, turns, write_corpus
 from scipy.signal import resample_poly
 
 from cosybatch.engines import EngineOptions, open_engine
@@ -114,32 +114,33 @@ def in_process(models: dict[str, Path], config: Path, texts: list[str], rounds: 
         engines[name] = open_engine("piper", str(folder / "v.onnx"),
                                     EngineOptions(device="cpu", threads=1, engine=PiperOptions()))
     work = {name: units(eng, texts) for name, eng in engines.items()}
-    seconds = {name: 0.0 for name in engines}
-    # CPU seconds of this thread (onnxruntime runs a 1-thread session on the caller's thread): on a
-    # shared machine they vary less than wall seconds, which are reported too.
-    cpu = {name: 0.0 for name in engines}
+    names = list(engines)
+    # Wall seconds and CPU seconds of this thread (onnxruntime runs a 1-thread session on the
+    # caller's thread): on a shared machine CPU seconds vary less than wall seconds.
+    runs = Runs(names, baseline="fp32")
     audio: dict[str, list[np.ndarray]] = {}
-    for r in range(rounds):
-        for i in range(len(texts)):
-            for name, eng in engines.items():  # interleaved: load on the machine hits all alike
-                t, c = time.perf_counter(), time.thread_time()
-                clips = [eng.synthesize([u]).audio[0] for u in work[name][i]]
-                seconds[name] += time.perf_counter() - t
-                cpu[name] += time.thread_time() - c
-                if r == 0:
-                    audio.setdefault(name, []).append(np.concatenate(clips))
-        print(f"  round {r} (cumulative CPU s): " + ", ".join(f"{n} {s:.1f}" for n, s in cpu.items()), flush=True)
+    for r, i, name in turns(names, rounds, len(texts)):  # interleaved: load on the machine hits all alike
+        eng = engines[name]
+        t, c = time.perf_counter(), time.thread_time()
+        clips = [eng.synthesize([u]).audio[0] for u in work[name][i]]
+        runs.add(name, r, wall_s=time.perf_counter() - t, cpu_s=time.thread_time() - c)
+        if r == 0:
+            audio.setdefault(name, [None] * len(texts))[i] = np.concatenate(clips)
+        if i == len(texts) - 1 and name == order(names, r * len(texts) + i)[-1]:
+            print(f"  round {r} (CPU s): " + ", ".join(f"{n} {runs.values(n, 'cpu_s')[r]:.1f}" for n in names),
+                  flush=True)
     rate = engines["fp32"].sample_rate
     audio_s = sum(len(a) for a in audio["fp32"]) / rate
     recognise = Recogniser() if asr else None
     hyps = {name: [recognise(to_16k(a, rate)) for a in clips] for name, clips in audio.items()} if asr else {}
     results = {}
-    for name in engines:
+    for name in names:
         same = [i for i, a in enumerate(audio[name]) if len(a) == len(audio["fp32"][i])]
         row = {
-            "speed_vs_fp32": cpu["fp32"] / cpu[name],
-            "speed_vs_fp32_wall": seconds["fp32"] / seconds[name],
-            "audio_s_per_cpu_s": audio_s * rounds / cpu[name],
+            "speed_vs_fp32": 1 / runs.ratio(name, "cpu_s"),
+            "speed_vs_fp32_wall": 1 / runs.ratio(name, "wall_s"),
+            "audio_s_per_cpu_s": audio_s / runs.median(name, "cpu_s"),
+            "cpu_s_per_round": runs.stats(name, "cpu_s"),
             "durations_equal": f"{len(same)}/{len(texts)}",
             "length_ratio": sum(len(a) for a in audio[name]) / sum(len(a) for a in audio["fp32"]),
         }
@@ -168,17 +169,16 @@ def end_to_end(texts: list[str], rounds: int, tmp: Path) -> dict:
     }
     # The int8 model is built once per voice, before any timing (as `cosybatch quantize` does ahead).
     subprocess.run([sys.executable, "-m", "cosybatch", "quantize"], check=True, capture_output=True)
-    rates: dict[str, list[float]] = {name: [] for name in runs}
     # CPU seconds of each run too (user + system of the child): on a machine shared with other jobs
     # they vary far less than wall seconds. piper's CLI runs onnxruntime's default thread pool,
     # whose spinning threads count here; cosybatch's workers run 1-thread sessions.
-    cpu_rates: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(rounds):
-        for name, argv in runs.items():
+
+    def tool(name: str):
+        def once(r: int) -> dict:
             out = tmp / f"e2e-{name.replace(' ', '-')}-{r}"
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t = time.perf_counter()
-            proc = subprocess.run(argv(out), check=True, capture_output=True, text=True)
+            proc = subprocess.run(runs[name](out), check=True, capture_output=True, text=True)
             wall = time.perf_counter() - t
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -186,29 +186,32 @@ def end_to_end(texts: list[str], rounds: int, tmp: Path) -> dict:
                 audio = sum(soundfile.info(str(p)).duration for p in out.glob("*.wav"))
             else:
                 audio = json.loads(proc.stdout.strip().splitlines()[-1])["audio_seconds"]
-            rates[name].append(audio / wall)
-            cpu_rates[name].append(audio / cpu)
             print(f"  round {r}: {name:15s} {audio:7.1f} audio-s in {wall:6.1f} s ({cpu:6.1f} CPU s)", flush=True)
-    piper, piper_cpu = median(rates["piper CLI"]), median(cpu_rates["piper CLI"])
-    return {name: {"audio_s_per_s": median(v), "vs_piper_cli": median(v) / piper,
-                   "audio_s_per_cpu_s": median(cpu_rates[name]),
-                   "vs_piper_cli_cpu": median(cpu_rates[name]) / piper_cpu,
-                   "rounds_audio_s_per_s": v}
-            for name, v in rates.items()}
+            return {"audio_s_per_s": audio / wall, "audio_s_per_cpu_s": audio / cpu}
+        return once
+
+    timed = alternate({name: tool(name) for name in runs}, rounds, baseline="piper CLI")
+    return {name: {"audio_s_per_s": timed.median(name, "audio_s_per_s"),
+                   "vs_piper_cli": timed.ratio(name, "audio_s_per_s"),
+                   "audio_s_per_cpu_s": timed.median(name, "audio_s_per_cpu_s"),
+                   "vs_piper_cli_cpu": timed.ratio(name, "audio_s_per_cpu_s"),
+                   "range_audio_s_per_s": [min(timed.values(name, "audio_s_per_s")),
+                                           max(timed.values(name, "audio_s_per_s"))],
+                   "rounds_audio_s_per_s": timed.values(name, "audio_s_per_s")}
+            for name in timed.names}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default=",".join(piper_quant.VARIANTS))
-    ap.add_argument("--calibration", type=int, default=piper_quant.CALIBRATION_SENTENCES)
-    ap.add_argument("--heldout", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=2, help="timing rounds over the held-out sentences")
+    ap = cli(__doc__, rounds=2, helps={"rounds": "timing rounds over the held-out sentences"})
+    ap.add_argument("--variants", default=",".join(piper_quant.VARIANTS), help="comma-separated int8 variants")
+    ap.add_argument("--calibration", type=int, default=piper_quant.CALIBRATION_SENTENCES,
+                    help="bundled calibration sentences to calibrate on")
+    ap.add_argument("--heldout", type=int, default=50, help="held-out sentences to synthesise and judge")
     ap.add_argument("--e2e-sentences", type=int, default=100, help="examples/sentences.txt lines for the CLI runs")
     ap.add_argument("--e2e-rounds", type=int, default=3, help="0 skips the end-to-end runs")
-    ap.add_argument("--no-asr", action="store_true")
+    ap.add_argument("--no-asr", action="store_true", help="skip the PocketSphinx WER")
     ap.add_argument("--no-in-process", action="store_true", help="only the end-to-end runs")
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    args = parse(ap)
     model, config = bundled_voice()
     texts = piper_quant.read_sentences(piper_quant.HELDOUT_TEXT)[: args.heldout]
     calibration = piper_quant.read_sentences(piper_quant.CALIBRATION_TEXT)[: args.calibration]
@@ -227,20 +230,21 @@ def main() -> None:
         if args.e2e_rounds:
             print(f"end to end, {args.e2e_sentences} sentences, {args.e2e_rounds} rounds:", flush=True)
             report["end_to_end"] = end_to_end(sentences(args.e2e_sentences), args.e2e_rounds, tmp)
-    print(json.dumps(report, indent=1))
-    print("\n| variant | speed vs fp32 (CPU s) | durations equal fp32 | PocketSphinx WER | PESQ-WB vs fp32 | MCD dB "
-          "| SNR dB |")
-    print("|---|---|---|---|---|---|---|")
-    for name, row in report.get("in_process", {}).items():
-        print(f"| {name} | {row['speed_vs_fp32']:.2f}x | {row['durations_equal']} | "
-              f"{row.get('wer_pocketsphinx', float('nan')):.1%} | {row.get('pesq_wb', float('nan')):.2f} | "
-              f"{row.get('mcd_db', float('nan')):.2f} | {row.get('snr_db', float('nan')):.1f} |")
-    for name, row in report.get("end_to_end", {}).items():
-        print(f"end to end: {name:15s} {row['audio_s_per_s']:6.1f} audio-s/s, {row['vs_piper_cli']:.2f}x piper CLI; "
-              f"{row['audio_s_per_cpu_s']:6.1f} audio-s per CPU s, {row['vs_piper_cli_cpu']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
 
+    def show() -> None:
+        print(json.dumps(report, indent=1))
+        print("\n| variant | speed vs fp32 (CPU s) | durations equal fp32 | PocketSphinx WER | PESQ-WB vs fp32 "
+              "| MCD dB | SNR dB |")
+        print("|---|---|---|---|---|---|---|")
+        for name, row in report.get("in_process", {}).items():
+            print(f"| {name} | {row['speed_vs_fp32']:.2f}x | {row['durations_equal']} | "
+                  f"{row.get('wer_pocketsphinx', float('nan')):.1%} | {row.get('pesq_wb', float('nan')):.2f} | "
+                  f"{row.get('mcd_db', float('nan')):.2f} | {row.get('snr_db', float('nan')):.1f} |")
+        for name, row in report.get("end_to_end", {}).items():
+            print(f"end to end: {name:15s} {row['audio_s_per_s']:6.1f} audio-s/s, {row['vs_piper_cli']:.2f}x piper "
+                  f"CLI; {row['audio_s_per_cpu_s']:6.1f} audio-s per CPU s, {row['vs_piper_cli_cpu']:.2f}x")
+
+    Report(args.json, "piper_int8").emit(report, show)
 
 if __name__ == "__main__":
     main()

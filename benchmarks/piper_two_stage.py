@@ -7,16 +7,18 @@ output frames, what stats.json's padding_ratio is 1 minus), audio-seconds per wa
 speed relative to the one graph, and the largest difference of its audio from the one graph's.
 
     python benchmarks/piper_two_stage.py [--batch-size 32] [--rows 120] [--threads 1] \\
-        [--efficiency 0.95 --efficiency 0] [--rounds 2] [--device cpu]
+        [--efficiency 0.95 --efficiency 0] [--rounds 2] [--device cpu] [--json PATH]
+
+Speeds are per round (the round's audio over its wall time); the table gives their medians, their
+range and the ratio of medians to the one graph.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
-from common import sentences
+from common import Report, Runs, cli, parse, sentences, table, turns
 
 from cosybatch.engines import EngineOptions, open_engine
 from cosybatch.engines.piper import PiperOptions
@@ -24,16 +26,14 @@ from cosybatch.plan import Unit, plan_batches
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap = cli(__doc__, rounds=2, rows=120, threads=1, device="cpu",
+             helps={"rounds": "passes over the corpus, every batch run by every variant in turn; the first "
+                              "also counts the padding"})
+    ap.add_argument("--batch-size", type=int, default=32, help="the planner's pieces per batch")
     ap.add_argument("--budget-per-item", type=int, default=256, help="padded phoneme ids per item (the CPU default)")
-    ap.add_argument("--rows", type=int, default=120)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--rounds", type=int, default=2, help="passes over the corpus; the first is also timed")
     ap.add_argument("--efficiency", type=float, action="append",
                     help="two-stage variants by stage2_efficiency (repeatable; default 0.95 and 0)")
-    args = ap.parse_args()
+    args = parse(ap)
     efficiencies = args.efficiency or [0.95, 0.0]
 
     def engine(**extra):
@@ -55,34 +55,40 @@ def main() -> None:
           f"device {first.device}, {args.threads} thread(s)")
 
     names = list(variants)
-    wall = dict.fromkeys(names, 0.0)
+    runs = Runs(names, baseline="one-graph")
     real = dict.fromkeys(names, 0)
     padded = dict.fromkeys(names, 0)
-    audio_s = dict.fromkeys(names, 0.0)
     diff = dict.fromkeys(names, 0.0)
-    for rnd in range(args.rounds):
-        for i, batch in enumerate(batches):
-            order = names if (i + rnd) % 2 == 0 else names[::-1]
-            outs = {}
-            for name in order:
-                t = time.perf_counter()
-                out = variants[name].synthesize(batch.units)
-                wall[name] += time.perf_counter() - t
-                outs[name] = out
-                if rnd == 0:
-                    real[name] += out.real_frames
-                    padded[name] += out.padded_frames
-                audio_s[name] += sum(len(a) for a in out.audio) / first.sample_rate
-            for name in names:
-                for a, b in zip(outs["one-graph"].audio, outs[name].audio, strict=True):
+    outs: dict = {}
+    for rnd, i, name in turns(names, args.rounds, len(batches)):
+        batch = batches[i]
+        t = time.perf_counter()
+        out = variants[name].synthesize(batch.units)
+        runs.add(name, rnd, wall_s=time.perf_counter() - t,
+                 audio_s=sum(len(a) for a in out.audio) / first.sample_rate)
+        outs[name] = out
+        if rnd == 0:
+            real[name] += out.real_frames
+            padded[name] += out.padded_frames
+        if len(outs) == len(names):  # every variant ran this batch: compare with the one graph
+            for other in names:
+                for a, b in zip(outs["one-graph"].audio, outs[other].audio, strict=True):
                     assert len(a) == len(b)
-                    diff[name] = max(diff[name], float(np.abs(a - b).max()))
+                    diff[other] = max(diff[other], float(np.abs(a - b).max()))
+            outs = {}
             print(f"round {rnd} batch {i} ({len(batch.units)} pieces) done", flush=True)
-    base = audio_s["one-graph"] / wall["one-graph"]
-    print(f"{'variant':24s} {'padding eff.':>12s} {'audio-s/s':>10s} {'speed vs one-graph':>19s} {'max |diff|':>11s}")
-    for name in names:
-        rate = audio_s[name] / wall[name]
-        print(f"{name:24s} {real[name] / padded[name]:12.3f} {rate:10.2f} {rate / base:18.2f}x {diff[name]:11.1e}")
+    runs.derive("audio_s_per_s", lambda f: f["audio_s"] / f["wall_s"])
+    result = {"benchmark": "piper_two_stage", "rows": args.rows, "pieces": len(units), "batches": len(batches),
+              "threads": args.threads, **runs.as_dict(),
+              "padding_efficiency": {n: real[n] / padded[n] for n in names}, "max_abs_diff": diff}
+
+    def show() -> None:
+        table(["variant", "padding eff.", "audio-s/s", "min..max", "speed vs one-graph", "max |diff|"],
+              [[n, f"{real[n] / padded[n]:.3f}", runs.cell(n, "audio_s_per_s", ".2f"),
+                runs.cell(n, "audio_s_per_s", ".2f", "range"), runs.cell(n, "audio_s_per_s", ".2f", "ratio"),
+                f"{diff[n]:.1e}"] for n in names])
+
+    Report(args.json, "piper_two_stage").emit(result, show)
 
 
 if __name__ == "__main__":

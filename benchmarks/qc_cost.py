@@ -11,12 +11,11 @@ stage_seconds.qc: measuring, transcribing and judging, on the writer thread) as 
 off's wall time: on a shared machine whole-process times vary by more than the few per cent asked
 about, the in-process figure does not. Ends with one JSON line.
 
-    python benchmarks/qc_cost.py [--corpus examples/corpus.parquet] [--rounds 3] [--threads 1]
+    python benchmarks/qc_cost.py [--corpus examples/corpus.parquet] [--rounds 3] [--threads 1] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, median
+from common import ROOT, Report, alternate, cli, median, parse, table
 
 VARIANTS = {
     "off": ["--qc", "off"],
@@ -50,59 +49,60 @@ def run_once(corpus: Path, out: Path, threads: int, extra: list[str]) -> tuple[f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", type=Path, default=ROOT / "examples" / "corpus.parquet")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    ap = cli(__doc__, rounds=3, threads=1, helps={"threads": "--threads of every `cosybatch run`"})
+    ap.add_argument("--corpus", type=Path, default=ROOT / "examples" / "corpus.parquet", help="the corpus to run")
+    args = parse(ap)
 
     names = list(VARIANTS)
-    walls: dict[str, list[float]] = {n: [] for n in names}
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    ratios: dict[str, list[float]] = {n: [] for n in names}
-    qc_s: dict[str, list[float]] = {n: [] for n in names}
     gate: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="qc-cost-") as tmp:
-        for rnd in range(args.rounds):
-            order = names[rnd % len(names):] + names[: rnd % len(names)]
-            this: dict[str, float] = {}
-            for name in order:
+
+        def variant(name: str):
+            def once(rnd: int) -> dict:
                 out = Path(tmp) / f"{name}-{rnd}"
                 wall, summary, qc = run_once(args.corpus, out, args.threads, VARIANTS[name])
                 shutil.rmtree(out)
                 if summary.get("status") != "complete":
                     raise SystemExit(f"{name}: {summary}")
-                this[name] = wall
-                walls[name].append(wall)
-                rates[name].append(summary["audio_seconds"] / wall)
-                qc_s[name].append(qc["qc_s"])
                 gate[name] = {k: qc.get(k) for k in ("flagged", "transcribed", "failed") if k in qc}
                 gate[name]["items_done"] = summary["items_done"]
                 print(f"round {rnd} {name:12s} {wall:6.1f} s  {summary['audio_seconds'] / wall:6.2f} audio-s/s  "
                       f"qc stage {qc['qc_s']:5.1f} s  {gate[name]}", flush=True)
-            for name in names:
-                ratios[name].append(this[name] / this["off"])
+                return {"wall_s": wall, "audio_s_per_s": summary["audio_seconds"] / wall, "qc_s": qc["qc_s"]}
+            return once
 
-    base = median(walls["off"])
-    print(f"\n{args.rounds} rounds, {args.threads} thread(s); corpus {args.corpus}")
-    print(f"{'variant':12s} {'median wall s':>13s} {'audio-s/s':>10s} {'wall / off':>10s} {'per-round':>10s} "
-          f"{'qc stage s':>10s} {'qc / off':>9s}  gate")
+        runs = alternate({name: variant(name) for name in names}, args.rounds, baseline="off")
+
+    base = runs.median("off", "wall_s")
     result = {}
     for name in names:
-        ratio = median(walls[name]) / base
-        result[name] = {"median_wall_s": round(median(walls[name]), 2), "audio_s_per_s": round(median(rates[name]), 2),
-                        "ratio_to_off": round(ratio, 4), "median_round_ratio": round(median(ratios[name]), 4),
-                        "qc_stage_s": round(median(qc_s[name]), 3),
-                        "qc_share_of_off": round(median(qc_s[name]) / base, 4),
-                        "walls": [round(w, 2) for w in walls[name]], **gate[name]}
-        print(f"{name:12s} {median(walls[name]):13.1f} {median(rates[name]):10.2f} {ratio:10.3f} "
-              f"{median(ratios[name]):10.3f} {median(qc_s[name]):10.2f} {median(qc_s[name]) / base:9.3f}  {gate[name]}")
+        qc_s = runs.median(name, "qc_s")
+        result[name] = {"median_wall_s": round(runs.median(name, "wall_s"), 2),
+                        "audio_s_per_s": round(runs.median(name, "audio_s_per_s"), 2),
+                        "ratio_to_off": round(runs.ratio(name, "wall_s"), 4),
+                        "median_round_ratio": round(median(runs.round_ratios(name, "wall_s")), 4),
+                        "qc_stage_s": round(qc_s, 3), "qc_share_of_off": round(qc_s / base, 4),
+                        "walls": [round(w, 2) for w in runs.values(name, "wall_s")],
+                        "wall_range_s": [round(min(runs.values(name, "wall_s")), 2),
+                                         round(max(runs.values(name, "wall_s")), 2)], **gate[name]}
     goals = {name: result[name]["median_round_ratio"] <= limit for name, limit in GOALS.items()}
     goals.update({f"{name} (qc stage)": 1 + result[name]["qc_share_of_off"] <= limit for name, limit in GOALS.items()})
-    print(f"goals (signals <= 1.03, asr-flagged <= 1.10; by the per-round wall ratio, and by the qc stage's share): "
-          f"{goals}")
-    print(json.dumps({"benchmark": "qc_cost", "rounds": args.rounds, "threads": args.threads, "variants": result,
-                      "goals": goals}))
+    line = {"benchmark": "qc_cost", "rounds": args.rounds, "threads": args.threads, "variants": result,
+            "goals": goals}
+
+    def show() -> None:
+        print(f"\n{args.rounds} rounds, {args.threads} thread(s); corpus {args.corpus}")
+        table(["variant", "median wall s", "min..max", "audio-s/s", "wall / off", "per-round", "qc stage s",
+               "qc / off", "gate"],
+              [[n, f"{runs.median(n, 'wall_s'):.1f}", runs.cell(n, "wall_s", ".1f", "range"),
+                f"{runs.median(n, 'audio_s_per_s'):.2f}", f"{runs.ratio(n, 'wall_s'):.3f}",
+                f"{median(runs.round_ratios(n, 'wall_s')):.3f}", f"{runs.median(n, 'qc_s'):.2f}",
+                f"{result[n]['qc_share_of_off']:.3f}", str(gate[n])] for n in names], left=(0, 8))
+        print(f"goals (signals <= 1.03, asr-flagged <= 1.10; by the per-round wall ratio, and by the qc stage's "
+              f"share): {goals}")
+        print(json.dumps(line))
+
+    Report(args.json, "qc_cost").emit(line, show)
 
 
 if __name__ == "__main__":

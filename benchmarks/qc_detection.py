@@ -32,6 +32,7 @@ so a CER within the limit does not refute a duration outlier.
 
     python benchmarks/qc_detection.py [--corpus examples/corpus.parquet] [--seed 0] [--threads 2]
         [--clips DIR]   # reuse a finished `cosybatch run` folder instead of synthesising
+        [--json PATH]   # also write the JSON there
 
 Prints a table (recall per kind and mode; false-flag rate on clean rows), the flags raised per
 kind, the misses, and ends with one JSON line.
@@ -39,7 +40,6 @@ kind, the misses, and ends with one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import subprocess
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import soundfile
-from common import ROOT
+from common import ROOT, Report, cli, parse
 
 from cosybatch.config import RunConfig
 from cosybatch.qc.asr import Transcriber, default_model_dir, error_rates
@@ -117,14 +117,13 @@ def inject(clips: list[dict], seed: int) -> dict[str, list[np.ndarray]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", type=Path, default=ROOT / "examples" / "corpus.parquet")
+    ap = cli(__doc__, seed=0, threads=1, helps={"seed": "seed of the injected failures",
+                                                 "threads": "synthesis and ASR threads"})
+    ap.add_argument("--corpus", type=Path, default=ROOT / "examples" / "corpus.parquet", help="the corpus to run")
     ap.add_argument("--clips", type=Path, help="a finished `cosybatch run` folder to read the clean clips from")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the injected failures")
-    ap.add_argument("--threads", type=int, default=1, help="synthesis and ASR threads")
     ap.add_argument("--transcripts", type=Path, help="a JSON file of the ASR's transcripts: read when it exists "
                     "(same clips, same seed), else written; for re-judging without transcribing again")
-    args = ap.parse_args()
+    args = parse(ap)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qc-detection-") as tmp:
@@ -222,55 +221,59 @@ def main() -> None:
                 asr_share[mode][kind] = transcribed / len(judged[kind])
 
     n = len(clips)
-    print(f"\nshare failed by the gate, all {n} rows (clean: the false-flag rate) | the {len(warm)} rows after the "
-          f"first {lim.min_history} (the speech-rate history's warm-up)")
-    cols = (*MODES, PROPOSAL)
-    print(f"{'kind':12s} " + " ".join(f"{m:>12s}" for m in cols) + " | " + " ".join(f"{m:>12s}" for m in cols))
-    for kind in KINDS:
-        print(f"{kind:12s} " + " ".join(f"{results[m][kind]:12.3f}" for m in cols) + " | "
-              + " ".join(f"{steady[m][kind]:12.3f}" for m in cols))
-    print(f"({PROPOSAL}: not a mode; asr-all where a speech-rate flag fails the clip whatever the ASR hears)")
-    print("\nshare of rows transcribed: " + "; ".join(
-        f"{m}: " + ", ".join(f"{k} {asr_share[m][k]:.2f}" for k in KINDS) for m in asr_share))
-
-    print("\nflags raised per kind (rows):")
-    for kind in KINDS:
-        counts = Counter(f for e in judged[kind] for f in e.get("flags", ()))
-        dead = sum(1 for e in judged[kind] if "dead" in e)
-        no_z = sum(1 for e in judged[kind] if "dead" not in e and e["z"] is None)
-        cers = [e["asr"]["cer"] for e in judged[kind] if "asr" in e]
-        cer = f"CER median {np.median(cers):.3f}, min {min(cers):.3f}" if cers else "no CER"
-        print(f"  {kind:12s} {dict(sorted(counts.items()))} dead {dead}, no z {no_z}; {cer}")
-
-    print("\nmisses (and clean rows failed), up to 12 per kind and mode:")
-    for mode in MODES:
-        for kind in KINDS:
-            missed = set(misses[mode][kind])
-            shown = [e for e in judged[kind] if "dead" not in e and (e["id"] in missed) == (kind != "clean")]
-            for e in shown[:12]:
-                s = e["signals"]
-                asr = e.get("asr", {})
-                print(f"  {mode} {kind} {e['id']}: flags {e['flags']} z {e['z']} share {s['speech_share']} "
-                      f"tail {s['tail_s']} gap {s['gap_s']} flat {s['flatness']} cer {asr.get('cer')} "
-                      f"text {e['text'][:50]!r} heard {asr.get('text', '')[:50]!r}")
-            if len(shown) > 12:
-                print(f"  {mode} {kind}: ... {len(shown)} rows in all")
-
     goals = {
         "asr_recall": all(results[m][k] >= GOAL_ASR for m in asr_settings for k in KINDS if k != "clean"),
         "asr_false_flags": all(results[m]["clean"] <= GOAL_FALSE for m in asr_settings),
         "signals_recall": all(results["gate"][k] >= GOAL_SIGNALS for k in GOAL_SIGNALS_KINDS),
     }
-    print(f"\ngoals: {goals}; signals {t_signals:.0f} s, ASR {t_asr:.0f} s, total {time.perf_counter() - t0:.0f} s")
-    print(json.dumps({"benchmark": "qc_detection", "rows": n, "seed": args.seed,
-                      "recall": {m: {k: round(v, 4) for k, v in results[m].items() if k != "clean"} for m in MODES},
-                      "false_flag_rate": {m: round(results[m]["clean"], 4) for m in MODES},
-                      "recall_after_warmup": {m: {k: round(v, 4) for k, v in steady[m].items() if k != "clean"}
-                                              for m in MODES},
-                      "false_flag_rate_after_warmup": {m: round(steady[m]["clean"], 4) for m in MODES},
-                      "proposal_rate_flags_stand": {k: round(v, 4) for k, v in results[PROPOSAL].items()},
-                      "asr_share": {m: {k: round(v, 4) for k, v in asr_share[m].items()} for m in asr_share},
-                      "goals": goals, "asr_s": round(t_asr, 1)}))
+    line = {"benchmark": "qc_detection", "rows": n, "seed": args.seed,
+            "recall": {m: {k: round(v, 4) for k, v in results[m].items() if k != "clean"} for m in MODES},
+            "false_flag_rate": {m: round(results[m]["clean"], 4) for m in MODES},
+            "recall_after_warmup": {m: {k: round(v, 4) for k, v in steady[m].items() if k != "clean"}
+                                    for m in MODES},
+            "false_flag_rate_after_warmup": {m: round(steady[m]["clean"], 4) for m in MODES},
+            "proposal_rate_flags_stand": {k: round(v, 4) for k, v in results[PROPOSAL].items()},
+            "asr_share": {m: {k: round(v, 4) for k, v in asr_share[m].items()} for m in asr_share},
+            "goals": goals, "asr_s": round(t_asr, 1)}
+
+    def show() -> None:
+        print(f"\nshare failed by the gate, all {n} rows (clean: the false-flag rate) | the {len(warm)} rows after the "
+              f"first {lim.min_history} (the speech-rate history's warm-up)")
+        cols = (*MODES, PROPOSAL)
+        print(f"{'kind':12s} " + " ".join(f"{m:>12s}" for m in cols) + " | " + " ".join(f"{m:>12s}" for m in cols))
+        for kind in KINDS:
+            print(f"{kind:12s} " + " ".join(f"{results[m][kind]:12.3f}" for m in cols) + " | "
+                  + " ".join(f"{steady[m][kind]:12.3f}" for m in cols))
+        print(f"({PROPOSAL}: not a mode; asr-all where a speech-rate flag fails the clip whatever the ASR hears)")
+        print("\nshare of rows transcribed: " + "; ".join(
+            f"{m}: " + ", ".join(f"{k} {asr_share[m][k]:.2f}" for k in KINDS) for m in asr_share))
+
+        print("\nflags raised per kind (rows):")
+        for kind in KINDS:
+            counts = Counter(f for e in judged[kind] for f in e.get("flags", ()))
+            dead = sum(1 for e in judged[kind] if "dead" in e)
+            no_z = sum(1 for e in judged[kind] if "dead" not in e and e["z"] is None)
+            cers = [e["asr"]["cer"] for e in judged[kind] if "asr" in e]
+            cer = f"CER median {np.median(cers):.3f}, min {min(cers):.3f}" if cers else "no CER"
+            print(f"  {kind:12s} {dict(sorted(counts.items()))} dead {dead}, no z {no_z}; {cer}")
+
+        print("\nmisses (and clean rows failed), up to 12 per kind and mode:")
+        for mode in MODES:
+            for kind in KINDS:
+                missed = set(misses[mode][kind])
+                shown = [e for e in judged[kind] if "dead" not in e and (e["id"] in missed) == (kind != "clean")]
+                for e in shown[:12]:
+                    s = e["signals"]
+                    asr = e.get("asr", {})
+                    print(f"  {mode} {kind} {e['id']}: flags {e['flags']} z {e['z']} share {s['speech_share']} "
+                          f"tail {s['tail_s']} gap {s['gap_s']} flat {s['flatness']} cer {asr.get('cer')} "
+                          f"text {e['text'][:50]!r} heard {asr.get('text', '')[:50]!r}")
+                if len(shown) > 12:
+                    print(f"  {mode} {kind}: ... {len(shown)} rows in all")
+        print(f"\ngoals: {goals}; signals {t_signals:.0f} s, ASR {t_asr:.0f} s, total {time.perf_counter() - t0:.0f} s")
+        print(json.dumps(line))
+
+    Report(args.json, "qc_detection").emit(line, show)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Do two checkouts write the same dataset? Runs the same five jobs with each and compares the bytes
 of every member of every shard (WAV and KEY.json), which is what a refactor must leave unchanged.
 
-    python benchmarks/same_output.py --before /path/to/old/checkout [--after .] [--audio-only]
+    python benchmarks/same_output.py --before /path/to/old/checkout [--after .] [--audio-only] [--json PATH]
 
 --audio-only compares the WAV members alone, for a change that adds fields to KEY.json on purpose.
 
@@ -13,7 +13,6 @@ Whole-tar hashes are not compared: tar headers carry the time the member was wri
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -23,7 +22,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, Report, cli, parse, table
 
 
 def member_digest(out: Path, audio_only: bool = False) -> tuple[str, int]:
@@ -70,11 +69,11 @@ def run_all(checkout: Path, work: Path, models: Path, label: str, audio_only: bo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli(__doc__)
     ap.add_argument("--before", type=Path, required=True, help="the checkout to compare against")
     ap.add_argument("--after", type=Path, default=ROOT, help="the checkout under test (default: this one)")
     ap.add_argument("--audio-only", action="store_true", help="compare the WAV members only")
-    args = ap.parse_args()
+    args = parse(ap)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         models = work / "models"
@@ -85,13 +84,16 @@ def main() -> None:
                             str(models / folder)], env=env, check=True, capture_output=True)
         before = run_all(args.before.resolve(), work, models, "before", args.audio_only)
         after = run_all(args.after.resolve(), work, models, "after", args.audio_only)
-    same = True
-    for name in before:
-        match = before[name] == after[name]
-        same &= match
-        print(f"{name:20s} {'same' if match else 'DIFFERENT'}  {after[name][1]:4d} members  {after[name][0]}")
+    same = all(before[name] == after[name] for name in before)
+    result = {"benchmark": "same_output", "before": str(args.before.resolve()), "after": str(args.after.resolve()),
+              "audio_only": args.audio_only, "same": same,
+              "jobs": {name: {"same": before[name] == after[name], "members": after[name][1],
+                              "before_sha256": before[name][0], "after_sha256": after[name][0]} for name in before}}
+    Report(args.json, "same_output").emit(result, lambda: table(
+        ["job", "", "members", "digest"],
+        [[name, "same" if before[name] == after[name] else "DIFFERENT", after[name][1], after[name][0]]
+         for name in before]))
     sys.exit(0 if same else 1)
-
 
 if __name__ == "__main__":
     main()

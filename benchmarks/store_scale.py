@@ -8,12 +8,12 @@ this tree's code and with an earlier commit's, side by side in one run.
 The folder is written the way a run writes it (ShardWriter shards of --shard-items items, one
 journal line per batch of --batch items, a manifest), with tiny clips so that the figure is the
 per-item cost, not the disk's read rate; every timing runs in a fresh interpreter with a cold
-import, best of --repeat. The earlier code comes from `git archive` of that commit.
+import, best of --repeat (--rounds), the two trees taking turns. The earlier code comes from `git
+archive` of that commit.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, Report, alternate, cli, parse, table
 
 # Runs in a fresh interpreter with PYTHONPATH set to one tree; prints {"open_s", "check_s"}.
 TIMER = r"""
@@ -93,29 +92,27 @@ def before_tree(commit: str, into: Path) -> Path:
     return into
 
 
-def best_of(tree: Path, folder: Path, items: int, repeat: int) -> dict:
-    runs = []
-    for _ in range(repeat):
-        # cwd=tree: `python -c` puts the working directory first on sys.path.
-        proc = subprocess.run([sys.executable, "-c", TIMER, str(folder), str(items)], capture_output=True, text=True,
-                              env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, cwd=tree)
-        if proc.returncode:
-            raise SystemExit(f"timing with {tree} failed:\n{proc.stderr}")
-        run = json.loads(proc.stdout.splitlines()[-1])
-        if not Path(run.pop("package")).is_relative_to(tree):
-            raise SystemExit(f"the timing imported cosybatch from outside {tree}")
-        runs.append(run)
-    return {key: min(r[key] for r in runs) for key in runs[0]}
+def timing(tree: Path, folder: Path, items: int) -> dict:
+    """One cold timing with `tree`'s code: {"open_s", "check_s"}."""
+    # cwd=tree: `python -c` puts the working directory first on sys.path.
+    proc = subprocess.run([sys.executable, "-c", TIMER, str(folder), str(items)], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, cwd=tree)
+    if proc.returncode:
+        raise SystemExit(f"timing with {tree} failed:\n{proc.stderr}")
+    run = json.loads(proc.stdout.splitlines()[-1])
+    if not Path(run.pop("package")).is_relative_to(tree):
+        raise SystemExit(f"the timing imported cosybatch from outside {tree}")
+    return run
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--items", type=int, default=100_000)
-    parser.add_argument("--shard-items", type=int, default=1000)
-    parser.add_argument("--batch", type=int, default=16, help="items per journal line")
-    parser.add_argument("--before-commit", default="7e76346")
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    ap = cli(__doc__, rounds=3, aliases={"rounds": ["--repeat"]},
+             helps={"rounds": "timings of each tree, the two taking turns; the best counts"})
+    ap.add_argument("--items", type=int, default=100_000, help="committed items in the synthetic folder")
+    ap.add_argument("--shard-items", type=int, default=1000, help="items per shard")
+    ap.add_argument("--batch", type=int, default=16, help="items per journal line")
+    ap.add_argument("--before-commit", default="7e76346", help="the earlier commit to compare with")
+    args = parse(ap)
     with tempfile.TemporaryDirectory(prefix="store-scale-") as tmp:
         tmp_path = Path(tmp)
         folder = tmp_path / "out"
@@ -125,11 +122,21 @@ def main() -> None:
         print(f"built {args.items} items in {args.items // args.shard_items} shards ({size_mb:.0f} MB) "
               f"in {time.perf_counter() - t:.1f} s")
         (tmp_path / "before").mkdir()
-        before = best_of(before_tree(args.before_commit, tmp_path / "before"), folder, args.items, args.repeat)
-        after = best_of(ROOT, folder, args.items, args.repeat)
-    print(f"{'':24}{'before (' + args.before_commit + ')':>20}{'after':>12}{'ratio':>8}")
-    for key, label in (("open_s", "resume open (s)"), ("check_s", "end-of-run check (s)")):
-        print(f"{label:24}{before[key]:>20.3f}{after[key]:>12.3f}{after[key] / before[key]:>8.2f}")
+        old = before_tree(args.before_commit, tmp_path / "before")
+        runs = alternate({"before": lambda rnd: timing(old, folder, args.items),
+                          "after": lambda rnd: timing(ROOT, folder, args.items)}, args.rounds, baseline="before")
+    best = {name: {key: min(runs.values(name, key)) for key in ("open_s", "check_s")} for name in runs.names}
+    result = {"benchmark": "store_scale", "items": args.items, "before_commit": args.before_commit, "best": best,
+              "after_vs_before": {k: best["after"][k] / best["before"][k] for k in ("open_s", "check_s")},
+              **runs.as_dict()}
+
+    def show() -> None:
+        table(["", f"before ({args.before_commit})", "after", "ratio"],
+              [[label, f"{best['before'][key]:.3f}", f"{best['after'][key]:.3f}",
+                f"{best['after'][key] / best['before'][key]:.2f}"]
+               for key, label in (("open_s", "resume open (s)"), ("check_s", "end-of-run check (s)"))])
+
+    Report(args.json, "store_scale").emit(result, show)
 
 
 if __name__ == "__main__":

@@ -9,18 +9,19 @@ of our batch sizes to upstream's one-utterance-at-a-time path (``CosyVoice2Model
     python benchmarks/token2wav.py                         # CPU: 8 items, batch 1 and 8, one torch thread
     python benchmarks/token2wav.py --device cuda --items 64 --batch-sizes 1,8,32
     python benchmarks/token2wav.py --size tiny             # quick smoke run
+
+The paths take turns within every round (the order rotating); the table gives medians over rounds.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import Report, alternate, cli, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -80,14 +81,12 @@ def run_ours(t2w: Token2Wav, items: list[FlowInput], batch: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "real"), default="real")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = cli(__doc__, rounds=1, device="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=("tiny", "real"), default="real", help="random weights of this size")
     ap.add_argument("--items", type=int, default=None, help="utterances per round (default 8 on CPU, 64 on GPU)")
     ap.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8 on CPU, 1,8,32 on GPU)")
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    args = ap.parse_args()
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="our path's precision")
+    args = parse(ap)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -102,18 +101,25 @@ def main() -> None:
         # Warm-up (kernels, allocator) on two items, excluded from the timings.
         run_ours(t2w, items[:2], 2)
         run_upstream(up_flow, up_hift, items[:1], device)
-        times: dict[str, list[float]] = {"upstream per item": []} | {f"cosybatch batch {b}": [] for b in sizes}
-        for _ in range(args.rounds):
-            times["upstream per item"].append(run_upstream(up_flow, up_hift, items, device))
-            for b in sizes:
-                times[f"cosybatch batch {b}"].append(run_ours(t2w, items, b))
-    base = audio_s / statistics.median(times["upstream per item"])
-    print(f"{n_items} items, {audio_s:.1f} s of audio, {args.size} weights, {device}, {args.precision}, "
-          f"threads={torch.get_num_threads()}")
-    print(f"{'path':<24} {'audio-s/s':>10} {'vs upstream':>12}")
-    for name, values in times.items():
-        rate = audio_s / statistics.median(values)
-        print(f"{name:<24} {rate:>10.2f} {rate / base:>11.2f}x")
+
+        def rate(seconds: float) -> dict:
+            return {"seconds": seconds, "audio_s_per_s": audio_s / seconds}
+
+        paths = {"upstream per item": lambda rnd: rate(run_upstream(up_flow, up_hift, items, device))}
+        for b in sizes:
+            paths[f"cosybatch batch {b}"] = lambda rnd, b=b: rate(run_ours(t2w, items, b))
+        runs = alternate(paths, args.rounds, baseline="upstream per item")
+    result = {"benchmark": "token2wav", "items": n_items, "audio_s": round(audio_s, 2), "size": args.size,
+              "device": str(device), "precision": args.precision, "threads": torch.get_num_threads(),
+              **runs.as_dict()}
+
+    def show() -> None:
+        print(f"{n_items} items, {audio_s:.1f} s of audio, {args.size} weights, {device}, {args.precision}, "
+              f"threads={torch.get_num_threads()}")
+        runs.table([("audio-s/s", "audio_s_per_s", ".2f"), ("min..max", "audio_s_per_s", ".2f", "range"),
+                    ("vs upstream", "audio_s_per_s", ".2f", "ratio")], first="path")
+
+    Report(args.json, "token2wav").emit(result, show)
 
 
 if __name__ == "__main__":

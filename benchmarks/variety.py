@@ -13,17 +13,20 @@ decoder padding efficiency (real / computed output frames: 1 - stats.json's padd
 audio-seconds per wall-second; then the audio hours per voice the pool made (balanced mode, what
 was synthesised) and what hash mode would have given the same rows (predicted by the engine's cost).
 
-    python benchmarks/variety.py [--rows 120] [--batch-size 32] [--length-scale 0.9:1.2] [--device cpu]
+    python benchmarks/variety.py [--rows 120] [--batch-size 32] [--length-scale 0.9:1.2] [--device cpu] \\
+        [--rounds 1] [--json PATH]
+
+With --rounds N the variants go over their batches N times; speeds are per round (medians in the
+table), the audio per voice and the padding are the first round's.
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
-from common import sentences
+from common import Report, Runs, cli, order, parse, sentences, table, turns
 
 from cosybatch.config import RunConfig
 from cosybatch.corpus import Row
@@ -52,14 +55,11 @@ def spread(values: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=120)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap = cli(__doc__, rounds=1, rows=120, threads=1, device="cpu")
+    ap.add_argument("--batch-size", type=int, default=32, help="the planner's pieces per batch")
     ap.add_argument("--budget-per-item", type=int, default=256, help="padded phoneme ids per item (the default)")
-    ap.add_argument("--length-scale", default="0.9:1.2")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    ap.add_argument("--length-scale", default="0.9:1.2", help="the length-scale range drawn per row (LO:HI)")
+    args = parse(ap)
 
     tmp = Path(tempfile.mkdtemp(prefix="cosybatch-variety-"))
     pool = tmp / "voices"
@@ -84,8 +84,7 @@ def main() -> None:
     for name, cfg in configs.items():
         engines, units, cost = prepared(cfg, rows, args.device)
         batches = plan_batches(units, args.batch_size, args.batch_size * args.budget_per_item)
-        variants[name] = {"engines": engines, "batches": batches, "cost": cost, "wall": 0.0, "real": 0, "padded": 0,
-                          "audio": {}}
+        variants[name] = {"engines": engines, "batches": batches, "cost": cost, "real": 0, "padded": 0, "audio": {}}
     hashed = prepared(RunConfig(**common, voice_pool=str(pool), engine_options=length), rows, args.device)[2]
     for v in variants.values():  # each session's first batches grow its memory arena: not timed
         for batch in v["batches"]:
@@ -96,37 +95,48 @@ def main() -> None:
           f"{args.threads} thread(s); pool voices: 4 copies of the embedded en_US-joe-medium")
 
     names = list(variants)
+    runs = Runs(names)
     longest = max(len(v["batches"]) for v in variants.values())
-    for i in range(longest):
-        for name in names if i % 2 == 0 else names[::-1]:
-            v = variants[name]
-            if i >= len(v["batches"]):
-                continue
-            batch = v["batches"][i]
-            engine = v["engines"].by_voice[batch.group]
-            t = time.perf_counter()
-            out = engine.synthesize(batch.units)
-            v["wall"] += time.perf_counter() - t
+    for rnd, i, name in turns(names, args.rounds, longest):
+        v = variants[name]
+        if name == order(names, rnd * longest + i)[-1]:
+            print(f"round {rnd} batch {i + 1} of {longest}", flush=True)
+        if i >= len(v["batches"]):
+            continue
+        batch = v["batches"][i]
+        engine = v["engines"].by_voice[batch.group]
+        t = time.perf_counter()
+        out = engine.synthesize(batch.units)
+        seconds = sum(len(a) for a in out.audio) / engine.sample_rate
+        runs.add(name, rnd, wall_s=time.perf_counter() - t, audio_s=seconds)
+        if rnd == 0:
             v["real"] += out.real_frames
             v["padded"] += out.padded_frames
-            seconds = sum(len(a) for a in out.audio) / engine.sample_rate
             v["audio"][engine.voice_name] = v["audio"].get(engine.voice_name, 0.0) + seconds
-        print(f"batch {i + 1} of {longest} done", flush=True)
-
-    print(f"\n{'variant':32s} {'batches':>7s} {'padding eff.':>12s} {'audio-s/s':>10s} {'audio-s':>8s}")
-    for name in names:
-        v = variants[name]
-        audio = sum(v["audio"].values())
-        print(f"{name:32s} {len(v['batches']):7d} {v['real'] / v['padded']:12.3f} {audio / v['wall']:10.2f} "
-              f"{audio:8.1f}")
+    runs.derive("audio_s_per_s", lambda f: f["audio_s"] / f["wall_s"])
     made = variants[names[-1]]["audio"]
-    print("\nbalanced mode, audio made per voice (s): "
-          + ", ".join(f"{k} {made[k]:.1f}" for k in sorted(made)) + f"; {spread(made)}")
     predicted = variants[names[-1]]["cost"]
-    print("balanced mode, predicted cost per voice (phoneme ids): "
-          + ", ".join(f"{k} {predicted[k]}" for k in sorted(predicted)) + f"; {spread(predicted)}")
-    print("hash mode, predicted cost per voice (phoneme ids):     "
-          + ", ".join(f"{k} {hashed.get(k, 0)}" for k in sorted(predicted)) + f"; {spread(hashed)}")
+    result = {"benchmark": "variety", "rows": args.rows, "batch_size": args.batch_size, "threads": args.threads,
+              **runs.as_dict(),
+              "batches": {n: len(variants[n]["batches"]) for n in names},
+              "padding_efficiency": {n: variants[n]["real"] / variants[n]["padded"] for n in names},
+              "balanced_audio_s_per_voice": made, "balanced_predicted_cost_per_voice": predicted,
+              "hash_predicted_cost_per_voice": hashed}
+
+    def show() -> None:
+        print()
+        table(["variant", "batches", "padding eff.", "audio-s/s", "min..max", "audio-s"],
+              [[n, len(variants[n]["batches"]), f"{variants[n]['real'] / variants[n]['padded']:.3f}",
+                runs.cell(n, "audio_s_per_s", ".2f"), runs.cell(n, "audio_s_per_s", ".2f", "range"),
+                f"{sum(variants[n]['audio'].values()):.1f}"] for n in names])
+        print("\nbalanced mode, audio made per voice (s): "
+              + ", ".join(f"{k} {made[k]:.1f}" for k in sorted(made)) + f"; {spread(made)}")
+        print("balanced mode, predicted cost per voice (phoneme ids): "
+              + ", ".join(f"{k} {predicted[k]}" for k in sorted(predicted)) + f"; {spread(predicted)}")
+        print("hash mode, predicted cost per voice (phoneme ids):     "
+              + ", ".join(f"{k} {hashed.get(k, 0)}" for k in sorted(predicted)) + f"; {spread(hashed)}")
+
+    Report(args.json, "variety").emit(result, show)
 
 
 if __name__ == "__main__":
