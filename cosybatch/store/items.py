@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -15,20 +15,18 @@ from .. import __version__
 from ..corpus import Row
 from .shards import item_key, wav_bytes, wav_checksum
 
-if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..engines import Engine
 
-
-def render_item(row: Row, text: str, audio: np.ndarray, engine: Engine, cfg: RunConfig,
+def render_item(row: Row, text: str, audio: np.ndarray, engine: Any, cfg: Any,
                 voice: Optional[str] = None, instruct: Optional[str] = None,
                 qc: Optional[dict] = None, extra: Optional[dict] = None,
                 segments: Optional[list] = None) -> tuple[str, dict, dict]:
     """A finished row's clip (from `assemble_audio`) -> (shard key, tar members {ext: bytes},
-    manifest record). `voice` is the row's own voice when the engine serves several (fixed when
-    the row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `extra` the
-    row's speaker, prompt and language (KEY.json fields and manifest columns of the same names)
-    and its drawn settings (KEY.json "prosody"); `segments` where each piece is in the clip
+    manifest record). `engine` is the engine that made it (its name, voice, sample rate and
+    fingerprint are recorded) and `cfg` the run's config (its seed, --sentence-silence and
+    --normalize). `voice` is the row's own voice when the engine serves several (fixed when the
+    row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `extra` the row's
+    speaker, prompt and language (KEY.json fields and manifest columns of the same names) and its
+    drawn settings (KEY.json "prosody"); `segments` where each piece is in the clip
     (`segment_times`, KEY.json "segments")."""
     key = item_key(row.id)
     voice = voice or engine.voice_name
