@@ -10,7 +10,6 @@ exports, exit code). The line itself, in `Job._run`:
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -29,14 +28,13 @@ from ..errors import (
     EXIT_OK,
     EXIT_TOO_MANY_FAILURES,
     CorpusError,
-    OutputError,
-    UsageError,
 )
 from ..metrics import BatchHistogram
 from ..qc.gate import QCCounts
 from ..stats import Progress, Stats, failure_summary
 from ..store.checkpoint import FAILURES_FILE, RUN_FILE, STATS_FILE, OutputDir, ResumeState, json_bytes, write_atomic
 from .fingerprint import adopt_legacy_fingerprint, job_fingerprint
+from .folder import claimed
 from .line import Admission
 from .preflight import open_corpus, preflight
 from .runner import Committed, Dispatch, Dispatched, Runner
@@ -80,33 +78,15 @@ class RunResult:
 
 
 def run_job(cfg: RunConfig, runner: Runner) -> RunResult:
-    """Open the output folder, run the job with `runner`, and leave the folder unlocked (and, if
-    the job never started, as it was)."""
+    """Check the job, claim the output folder, run the job with `runner`, and leave the folder
+    unlocked (and, if the job never started, as it was)."""
     cfg = runner.check(cfg)  # what `run --check` checks, before anything is written
     asr_model = preflight(cfg, runner.device(cfg))
-    out = OutputDir(cfg.out)
-    created = _missing_folders(cfg.out)  # removed again if the job never starts (no job.json)
-    state_existed = out.state.exists()
-    try:
-        cfg.out.mkdir(parents=True, exist_ok=True)
-        out.lock()
-    except OSError as exc:
-        out.unlock()
-        _remove_unstarted(out, created, state_existed)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk is resumable, whenever it strikes
-            raise _output_error(cfg, exc) from None
-        raise UsageError(f"cannot use {cfg.out} as the output folder ({exc.strerror or exc}); "
-                         "choose a writable --out") from None
-    try:
-        return Job(cfg, out, runner, asr_model).run()
-    except OSError as exc:
-        if _about_output(cfg, exc):
-            raise _output_error(cfg, exc) from exc
-        raise
-    finally:
-        runner.close()
-        _remove_unstarted(out, created, state_existed)
-        out.unlock()
+    with claimed(cfg.out) as out:
+        try:
+            return Job(cfg, out, runner, asr_model).run()
+        finally:
+            runner.close()
 
 
 class Job:
@@ -380,47 +360,6 @@ class Job:
         return RunResult(status, EXIT_OK, stats)
 
 
-def _missing_folders(path: Path) -> list[Path]:
-    """`path` and those of its parents that do not exist yet, deepest first."""
-    missing = []
-    for folder in (path, *path.parents):
-        if folder.exists() or folder.is_symlink():
-            break
-        missing.append(folder)
-    return missing
-
-
-def _remove_unstarted(out: OutputDir, created: list[Path], state_existed: bool) -> None:
-    """After a start that failed before the job was recorded (no job.json: a bad corpus, a model
-    that does not load), remove what this call created, so that no half-made folder is left for
-    `cosybatch status` to call "not started". Only the lock file, and then folders this call
-    created, and only while empty: a folder that existed before, or holds anything else, stays.
-    Called while the lock is held, so no other run can be starting in the folder."""
-    if out.job_file.exists():
-        return
-    if not state_existed:
-        from ..store.checkpoint import LOCK_FILE
-
-        try:
-            (out.state / LOCK_FILE).unlink(missing_ok=True)
-            out.state.rmdir()
-        except OSError:
-            return
-    for folder in created:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-
-
-def _about_output(cfg: RunConfig, exc: OSError) -> bool:
-    """Is this I/O error about writing the output (and so resumable once fixed)?"""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return True
-    name = exc.filename
-    return name is not None and Path(name).resolve().is_relative_to(cfg.out.resolve())
-
-
 def _previous_success(out: Path) -> Optional[float]:
     """When an earlier run of this job completed, from its stats.json (None if none did)."""
     try:
@@ -428,12 +367,3 @@ def _previous_success(out: Path) -> Optional[float]:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, (int, float)) else None
-
-
-def _output_error(cfg: RunConfig, exc: OSError) -> OutputError:
-    return OutputError(
-        f"writing to {cfg.out} failed ({exc.strerror or exc}); everything committed before is "
-        "intact: free space or fix the folder, then rerun the same command to resume"
-    )
-
-

@@ -35,7 +35,8 @@ from ..store.items import source_hash
 from ..store.repair import check_sizes, repair
 from .committer import DONE, Committer
 from .executor import BatchPolicy, EngineSet, Outcome
-from .job import RunResult, _output_error, run_job
+from .folder import output_error
+from .job import RunResult, run_job
 from .line import Admission, Reading, RowLine, open_gate
 from .preflight import check_device, configure_gpu_allocator, open_transcriber, part_config
 from .runner import Dispatch, Dispatched, Ended, Resumed, Runner
@@ -140,7 +141,7 @@ class LocalRunner(Runner):
         results: queue.Queue = queue.Queue()
         workers = [threading.Thread(target=self._infer_loop, args=(stop, work, results), daemon=True,
                                     name=f"infer-{i}") for i in range(self.workers)]
-        writer = threading.Thread(target=self.committer.loop, args=(results, lambda e: _output_error(cfg, e)),
+        writer = threading.Thread(target=self.committer.loop, args=(results, lambda e: output_error(cfg.out, e)),
                                   daemon=True, name="writer")
         for t in [*workers, writer]:
             t.start()

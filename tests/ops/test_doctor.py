@@ -13,7 +13,8 @@ from helpers import ROOT, cli, last_json
 from cosybatch import doctor, gpu
 from cosybatch.config import RunConfig
 from cosybatch.errors import EXIT_USAGE, UsageError
-from cosybatch.run import job, preflight
+from cosybatch.run import folder as folder_module
+from cosybatch.run import preflight
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 HAS_GPU = gpu.cuda_driver_devices()[0] > 0
@@ -260,13 +261,13 @@ def test_unstarted_cleanup_removes_only_what_it_created(tmp_path):
 
     parent = tmp_path / "a"
     out = parent / "b" / "c"
-    created = job._missing_folders(out)
+    created = folder_module._missing_folders(out)
     assert created == [out, out.parent, parent]
     os.makedirs(out)
     folder = OutputDir(out)
     folder.lock()
     (parent / "other.txt").write_text("someone else's")
-    job._remove_unstarted(folder, created, state_existed=False)
+    folder_module._remove_unstarted(folder, created, state_existed=False)
     folder.unlock()
     assert not (parent / "b").exists() and (parent / "other.txt").exists()  # a is not empty: kept
 
