@@ -168,7 +168,8 @@ class QualityGate:
             if clip.dead and attempt == 0:
                 self.counts.dead += 1
             return _Take(clip, attempt)
-        signals = measure(clip.audio, clip.sample_rate, clip.text, raw=clip.raw).as_dict()
+        raw = clip.raw if clip.raw is not None else ()
+        signals = measure(clip.audio, clip.sample_rate, clip.text, raw=raw).as_dict()
         verdict = assess(signals, clip.lm, clip.voice, self.history, self.settings.limits, self.sentence_silence,
                          attempt, learn=attempt == 0)
         if attempt == 0:
