@@ -81,7 +81,7 @@ def run_job(cfg: RunConfig, runner: Runner) -> RunResult:
     """Check the job, claim the output folder, run the job with `runner`, and leave the folder
     unlocked (and, if the job never started, as it was)."""
     cfg = runner.check(cfg)  # what `run --check` checks, before anything is written
-    asr_model = preflight(cfg, runner.device(cfg))
+    _, asr_model = preflight(cfg, runner.device(cfg))
     with claimed(cfg.out) as out:
         try:
             return Job(cfg, out, runner, asr_model).run()

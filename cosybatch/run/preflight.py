@@ -18,23 +18,22 @@ from ..store.distributed import part_name
 log = logging.getLogger("cosybatch")
 
 
-def preflight(cfg: RunConfig, device: Optional[str] = None) -> Optional[Path]:
+def preflight(cfg: RunConfig, device: Optional[str] = None) -> tuple[dict, Optional[Path]]:
     """The engine, its voice and every voice a pool or the voice map names, checked on `device`
-    (default: --device) without loading a model; returns the ASR model folder `--qc asr` will load."""
-    engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(device))
+    (default: --device) without loading a model. Returns the engine's resolved settings and the
+    ASR model folder `--qc asr` will load (None for the other modes)."""
+    resolved = engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(device))
     check_pool_voices(cfg, device)
-    return check_qc(cfg)
+    return resolved, check_qc(cfg)
 
 
 def check(cfg: RunConfig) -> dict:
     """`run --check`: everything a run checks before its first batch, without loading a model:
-    options, corpus format and columns, engine and voice. Returns the resolved settings."""
+    options, corpus format and columns, device, engine and voices. Returns the resolved settings."""
     corpus = open_corpus(cfg)
     configure_gpu_allocator(cfg)  # as a run does, before the device check may import torch
     check_device(cfg)
-    resolved = engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for())
-    check_pool_voices(cfg)
-    model = check_qc(cfg)
+    resolved, model = preflight(cfg)
     return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
             "voice": resolved.get("voice", resolved), **({"qc_asr_model": str(model)} if model else {})}
 
