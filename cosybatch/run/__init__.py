@@ -1,3 +1,4 @@
-"""Running a job: `job.py` is one job's life (open, fingerprint, resume, limits, signals, finish)
-for both runners; `local.py` (`cosybatch run`) and `ray.py` (`cosybatch ray-run`) only dispatch
-batches and commit them."""
+"""Running a job: `line.py` is the row line (admit, prepare, plan, synthesise, judge, render), written
+once; `job.py` is one job's life (claim, fingerprint, resume, statistics, limits, signals, the end);
+`runner.py` the contract between them, which `local.py` (`cosybatch run`, threads) and `ray.py`
+(`cosybatch ray-run`, an actor pool) implement; `forecast.py` is `run --plan-only`."""
