@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .config import RunConfig
+from .config import SECTION_TITLES, run_options
 from .engines import DEFAULT_ENGINE
 from .errors import (
     EXIT_BAD_INPUT,
@@ -26,6 +26,7 @@ from .errors import (
     Interrupted,
     UsageError,
 )
+from .jobspec import config_from_spec
 
 EXIT_CODES_HELP = (
     f"Exit codes: {EXIT_OK} complete; {EXIT_USAGE} usage error; {EXIT_BAD_INPUT} bad input data; "
@@ -35,7 +36,6 @@ EXIT_CODES_HELP = (
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Turn text corpora into speech datasets: batched, resumable, sharded TTS.")
-D = RunConfig.field_docs()
 
 
 def _print_version(value: bool) -> None:
@@ -55,103 +55,45 @@ def _root(
     pass
 
 
-NOT_IN_SPECS = ("ctx", "job", "check", "plan_only", "rate")
+NOT_IN_SPECS = ("ctx", "job", "check", "plan_only", "rate")  # flags of the command, not of the job
 
-
-def _engine_aliases() -> dict:
-    """The installed engines' flags that each set the engine option of the same name (after
-    --engine-opt, which they override; an engine without that option refuses it, naming the key):
-    option -> (type, help). Declared by each engine (`Engine.aliases`); imports engine classes,
-    never their runtimes."""
-    from .engines import engine_aliases
-
-    found = {}
-    for option, declared in engine_aliases().items():
-        helps: dict[str, list[str]] = {}  # one help -> the engines that give it
-        for engine, alias in declared:
-            helps.setdefault(alias.help, []).append(engine)
-        said = "; ".join(text.rstrip(".") if len(helps) == 1 else f"{', '.join(names)}: {text.rstrip('.')}"
-                         for text, names in helps.items())
-        found[option] = (declared[0][1].kind, f"Alias of --engine-opt {option}=...: {said}.")
-    return found
-
-
-ENGINE_OPTION_ALIASES = _engine_aliases()
-# RunConfig fields the command line spells differently; every other field is `--field-name`,
-# with its type, default and docstring taken from RunConfig itself.
-FROM_OTHER_FLAGS = ("corpus", "shard_index", "shard_count", "max_runtime", "shard_max_bytes", "export",
-                    "engine_options", "qc_limits", "voice_pool", "voice_map")
-# Options a job spec may give as a list or a table, handed to RunConfig as they are (it parses them).
-SPEC_STRUCTURES = ("voice_pool", "voice_map")
+# The job's options (cosybatch.config.run_options): each field of RunConfig's sections, the
+# spellings that build the rest, and the installed engines' aliases; their types, defaults, help
+# and panels come from the library, the flag names and metavars from here.
+RUN_OPTIONS = run_options()
+D = {name: option.help for name, option in RUN_OPTIONS.items()}
 FLAG_DECLS = {"out": ("--out", "-o"), "restart": ("--restart",), "export_copy": ("--export-copy",),
-              "allow_corpus_change": ("--allow-corpus-change",)}
+              "allow_corpus_change": ("--allow-corpus-change",), "engine_opt": ("--engine-opt",)}
+METAVARS = {"engine_opt": "KEY=VALUE", "voice_pool": "SPEC", "voice_map": "LANG=VOICE,..."}
 HELP_SUFFIX = {"out": " [default: out/CORPUS-STEM]"}
-# `run --help` in panels; an option named in none (a new RunConfig field) shows under "Operations".
-INPUT, ENGINE, BATCHING, OUTPUT, QUALITY, OPERATIONS = "Input", "Engine", "Batching", "Output", "Quality", "Operations"
-PANELS = {
-    INPUT: ("job", "format", "id_col", "text_col", "voice_col", "limit", "max_chars", "allow_corpus_change"),
-    ENGINE: ("engine", "voice", "voice_pool", "voice_pool_mode", "voice_map", "engine_opt", "device",
-             "memory_fraction", "threads", "seed"),
-    BATCHING: ("batch_size", "batch_budget", "workers", "window"),
-    OUTPUT: ("out", "sentence_silence", "normalize", "shard_max_items", "shard_max_mb", "export", "export_copy",
-             "restart"),
-    QUALITY: ("qc", "qc_asr_rows", "qc_sample", "qc_asr_model", "qc_max_cer", "qc_max_wer", "qc_retries",
-              "qc_on_fail"),
-    OPERATIONS: ("max_runtime", "max_failures", "shard", "metrics_file", "pushgateway", "metrics_job", "progress",
-                 "log_every", "check", "plan_only", "rate"),
-}
-PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+OPERATIONS = SECTION_TITLES["ops"]
 RAY = "Ray"  # ray-run's own flags
 
 
-def _option(name: str, annotation, default, help: str, decls=(), metavar=None, panel=None) -> inspect.Parameter:
+def _option(name: str, annotation, default, help: str, decls=(), metavar=None, panel=OPERATIONS) -> inspect.Parameter:
     from rich.markup import escape
 
     # Help is plain text: escaped, so `[engine_options]` or `[default: ...]` is shown, not read as markup.
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                              default=typer.Option(default, *decls, help=escape(help), metavar=metavar,
-                                                  rich_help_panel=panel or PANEL_OF.get(name, OPERATIONS)))
+                                                  rich_help_panel=panel))
 
 
 def _run_parameters() -> list[inspect.Parameter]:
-    """The `run` command's parameters: RunConfig's fields, then the flags that build the rest."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(RunConfig)
+    """The `run` command's parameters: the job's options, then the command's own flags."""
     params = [
         inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
         inspect.Parameter("corpus", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[Path],
                           default=typer.Argument(None, help=D["corpus"] + " (or `corpus` in --job)",
                                                  show_default=False)),
         _option("job", Optional[Path], None, "TOML or YAML file holding any of these options; flags given here "
-                "override it.", ("--job",)),
+                "override it.", ("--job",), panel=SECTION_TITLES["input"]),
     ]
-    for f in dataclasses.fields(RunConfig):
-        if f.name in FROM_OTHER_FLAGS:
-            continue
-        annotation = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.name == "out":
-            annotation, default = Optional[Path], None  # from the corpus name when unset
-        params.append(_option(f.name, annotation, default, D[f.name] + HELP_SUFFIX.get(f.name, ""),
-                              FLAG_DECLS.get(f.name, ())))
+    for name, option in RUN_OPTIONS.items():
+        if name != "corpus":
+            params.append(_option(name, option.hint, option.default, option.help + HELP_SUFFIX.get(name, ""),
+                                  FLAG_DECLS.get(name, ()), METAVARS.get(name), SECTION_TITLES[option.section]))
     params += [
-        _option("engine_opt", Optional[list[str]], None, "An engine setting KEY=VALUE (repeatable); "
-                "`[engine_options]` in a job spec. `cosybatch engines` lists each engine's.", ("--engine-opt",),
-                "KEY=VALUE"),
-        *(_option(name, Optional[kind], None, help, panel=ENGINE)
-          for name, (kind, help) in ENGINE_OPTION_ALIASES.items()),
-        _option("shard", Optional[str], None, "Run worker I of N (I/N), writing OUT/part-IIIII-of-NNNNN. N alone "
-                "takes I from JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID."),
-        _option("max_runtime", Optional[str], None, D["max_runtime"] + " Accepts 90, 90s, 30m, 2h."),
-        _option("shard_max_mb", float, 256.0, "Close a shard once it reaches this many MiB."),
-        _option("export", Optional[str], None, "Comma-separated dataset formats to write at the end: hf, nemo, "
-                "lhotse."),
-        _option("voice_pool", Optional[str], None, D["voice_pool"] + " A job spec may give a list (of strings or "
-                "tables {voice, speaker, prompt_wav, prompt_text, weight}).", metavar="SPEC"),
-        _option("voice_map", Optional[str], None, D["voice_map"] + " Example: en=VOICE,de=VOICE|VOICE; a job spec's "
-                "[voice_map] table.", metavar="LANG=VOICE,..."),
         _option("check", bool, False, "Check the options, job spec, corpus columns and voice, print the resolved "
                 "settings as JSON, and exit without synthesising.", ("--check",)),
         _option("plan_only", bool, False, "As --check, then read the whole corpus, prepare every row as the run "
@@ -167,8 +109,18 @@ def _run_parameters() -> list[inspect.Parameter]:
 
 def _by_panel(options: list[inspect.Parameter]) -> list[inspect.Parameter]:
     """Options in the order of their panels (an option's place only orders --help)."""
-    order = list(PANELS)
+    order = [*SECTION_TITLES.values(), RAY]
     return sorted(options, key=lambda p: order.index(p.default.rich_help_panel))
+
+
+def _given(ctx: typer.Context, values: dict) -> dict:
+    """The options given on the command line (the rest come from the job spec or the defaults)."""
+    given = {}
+    for name, value in values.items():
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            given[name] = value
+    return given
 
 
 def run(ctx: typer.Context, **values) -> None:
@@ -180,10 +132,8 @@ def run(ctx: typer.Context, **values) -> None:
     job, check = values.pop("job"), values.pop("check")
     plan_only, rate = values.pop("plan_only"), values.pop("rate")
     try:
-        if job is not None:
-            values.update(_spec_values(ctx, job))
-        cfg = _build_config(values)
-        if rate is not None and (not plan_only or not rate > 0):
+        cfg = config_from_spec(job, **_given(ctx, values))
+        if rate is not None and (not plan_only or not 0 < rate < float("inf")):
             raise UsageError("--rate is for --plan-only, and must be > 0 (audio-seconds per wall-second)")
         if plan_only:
             from .run.forecast import plan_only as plan_job
@@ -241,120 +191,8 @@ run.__signature__ = inspect.Signature(_run_parameters())
 app.command(epilog=EXIT_CODES_HELP)(run)
 
 
-def _spec_values(ctx: typer.Context, job: Path) -> dict:
-    """Spec values for every option not given on the command line, checked against the type of
-    the matching flag."""
-    import difflib
-
-    from .jobspec import load_job_spec
-
-    hints = {name: p.annotation for name, p in inspect.signature(run).parameters.items() if name not in NOT_IN_SPECS}
-    values = {}
-    spec_options: dict = {}
-    for key, value in load_job_spec(job).items():
-        if key == "engine_options":  # the engine's own table; its keys are checked by the engine
-            if not isinstance(value, dict):
-                raise UsageError(f"--job {job}: engine_options must be a table of KEY = value")
-            spec_options.update(value)
-            continue
-        if key == "qc" and isinstance(value, dict):  # the [qc] table: mode, the qc_* options, thresholds
-            qc_values, limits = _qc_table(job, value, hints)
-            for name, given in qc_values.items():
-                source = ctx.get_parameter_source(name)
-                if source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
-                    values[name] = given
-            if limits:
-                values["qc_limits"] = limits
-            continue
-        if key in ENGINE_OPTION_ALIASES:  # a spec's alias keys are its engine options; flags override both
-            spec_options.setdefault(key, value)
-            continue
-        if key not in hints:
-            close = difflib.get_close_matches(key, hints, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; options are: {', '.join(sorted(hints))}"
-            raise UsageError(f"--job {job}: unknown key {key!r}{hint}")
-        source = ctx.get_parameter_source(key)
-        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
-            continue  # a flag on the command line overrides the spec
-        if key == "export" and isinstance(value, list):
-            value = ",".join(map(str, value))
-        if key in SPEC_STRUCTURES and isinstance(value, (list, dict)):
-            values[key] = value  # RunConfig parses and checks it
-            continue
-        values[key] = _typed(job, key, value, hints[key])
-    if spec_options:
-        values["engine_options"] = spec_options
-    return values
-
-
-def _qc_table(job: Path, table: dict, hints: dict) -> tuple[dict, dict]:
-    """A job spec's [qc] table -> (qc_* option values, signal thresholds). `mode` is --qc; a key
-    named like a --qc-* flag without its prefix sets that flag; the rest are thresholds, checked by
-    RunConfig against the known names."""
-    values, limits = {}, {}
-    for key, value in table.items():
-        key = str(key).replace("-", "_")
-        name = "qc" if key == "mode" else f"qc_{key}"
-        if name in hints and name != "qc_limits":
-            values[name] = _typed(job, f"qc.{key}", value, hints[name])
-        else:
-            limits[key] = value
-    return values, limits
-
-
-def _typed(job: Path, key: str, value, hint):
-    """A spec value as the flag's type: int, float, bool, str or Path (each maybe Optional)."""
-    import typing
-
-    from .jobspec import quote
-
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    target = args[0] if args else hint
-    if value is None and args:
-        return None
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, (str, int, float)) and not isinstance(value, bool),
-        Path: isinstance(value, str),
-    }.get(target, False)
-    if not ok:
-        raise UsageError(f"--job {job}: {key} = {quote(value)} should be a {getattr(target, '__name__', target)}")
-    return target(value)
-
-
-def _build_config(v: dict) -> RunConfig:
-    from .store.distributed import parse_shard
-
-    if v["corpus"] is None:
-        raise UsageError("no corpus: give CORPUS or `corpus` in the --job spec")
-    options = dict(v.pop("engine_options", None) or {})
-    for item in v.pop("engine_opt", None) or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--engine-opt {item!r}: give KEY=VALUE")
-        options[key.strip()] = value
-    for name in ENGINE_OPTION_ALIASES:
-        value = v.pop(name, None)
-        if value is not None:
-            options[name] = value
-    shard_index, shard_count = parse_shard(v.pop("shard"))
-    max_runtime = _seconds(v.pop("max_runtime"), "--max-runtime")
-    export = tuple(x.strip() for x in (v.pop("export") or "").split(",") if x.strip())
-    shard_max_mb = v.pop("shard_max_mb")
-    if not 0 < shard_max_mb < float("inf"):
-        raise UsageError(f"--shard-max-mb must be a finite number > 0 (got {shard_max_mb})")
-    shard_max_bytes = max(1, int(shard_max_mb * 1024 * 1024))
-    out = v.pop("out") or Path("out") / _stem(v["corpus"])
-    voices = {name: v.pop(name) for name in SPEC_STRUCTURES if name in v}
-    voices = {name: value for name, value in voices.items() if value is not None}
-    return RunConfig(**v, **voices, out=out, shard_index=shard_index, shard_count=shard_count, max_runtime=max_runtime,
-                     export=export, shard_max_bytes=shard_max_bytes, engine_options=options)
-
-
 # The `run` options ray-run takes on its command line (a job spec may hold any; ray-run refuses
-# those it cannot honour), declared once: in RunConfig.
+# those it cannot honour), declared once: in cosybatch.config.
 RAY_RUN_SHARED = ("corpus", "out", "voice", "voice_pool", "voice_map", "engine", "engine_opt", "batch_size", "seed",
                   "restart", "progress", "qc",
                   "qc_asr_rows", "qc_max_cer", "qc_retries", "qc_on_fail")
@@ -363,7 +201,8 @@ RAY_FLAGS = ("address", "actors", "num_gpus", "num_cpus", "rows_per_task")
 
 def _ray_run_parameters() -> list[inspect.Parameter]:
     shared = {p.name: p for p in _run_parameters()}
-    job = _option("job", Optional[Path], None, "A `cosybatch run` job spec; flags here override it.", ("--job",))
+    job = _option("job", Optional[Path], None, "A `cosybatch run` job spec; flags here override it.", ("--job",),
+                  panel=SECTION_TITLES["input"])
     return [shared["ctx"], shared["corpus"], *_by_panel([job, *(shared[name] for name in RAY_RUN_SHARED[1:])]),
             _option("address", Optional[str], None, "Ray cluster: unset starts a local one; 'auto' joins the "
                     "running one; or ray://HOST:10001.", panel=RAY),
@@ -385,14 +224,7 @@ def ray_run_cmd(ctx: typer.Context, **given) -> None:
         from .run.ray import RayOptions
         from .run.ray import ray_run as run_on_ray
 
-        values = _run_defaults()
-        if job is not None:
-            values.update(_spec_values(ctx, job))
-        for key, value in given.items():
-            source = ctx.get_parameter_source(key)
-            if job is None or (source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")):
-                values[key] = value
-        result = run_on_ray(_build_config(values), RayOptions(**ray_flags))
+        result = run_on_ray(config_from_spec(job, **_given(ctx, given)), RayOptions(**ray_flags))
     except ModuleNotFoundError as exc:
         if exc.name != "ray":
             raise
@@ -407,11 +239,6 @@ def ray_run_cmd(ctx: typer.Context, **given) -> None:
 
 ray_run_cmd.__signature__ = inspect.Signature(_ray_run_parameters())
 app.command("ray-run", epilog=EXIT_CODES_HELP)(ray_run_cmd)
-
-
-def _run_defaults() -> dict:
-    return {name: p.default.default if hasattr(p.default, "default") else p.default
-            for name, p in inspect.signature(run).parameters.items() if name not in NOT_IN_SPECS}
 
 
 @app.command()
@@ -595,32 +422,6 @@ def export_cmd(
         _fail(str(exc), exc.exit_code)
     write_card(out)
     _print(json.dumps(written))
-
-
-def _seconds(text: Optional[str], option: str) -> Optional[float]:
-    """'90', '90s', '30m', '2h', '7h50m' -> seconds."""
-    import re
-
-    if text is None:
-        return None
-    value = text.strip().lower()
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    parts = re.findall(r"(\d+(?:\.\d+)?)([smhd])", value)
-    if not parts or "".join(n + u for n, u in parts) != value:
-        raise UsageError(f"{option} {text!r}: give seconds (90), or 90s, 30m, 2h, 7h50m")
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    return sum(float(n) * units[u] for n, u in parts)
-
-
-def _stem(path: Path) -> str:
-    name = path.name
-    for suffix in (".gz", ".jsonl", ".ndjson", ".parquet", ".pq", ".csv", ".tsv", ".tab", ".txt"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    return name or "corpus"
 
 
 def _setup_logging() -> None:

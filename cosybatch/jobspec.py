@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -83,3 +84,100 @@ def load_job_spec(path: Path) -> dict:
             raise UsageError(f"--job {path}: key {quote(key, 60)} is not an option name; "
                              "keys are `cosybatch run` options such as batch_size")
     return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def spec_options(path: Path) -> dict:
+    """A job spec's values as flat `cosybatch run` options (RunConfig.from_options takes them),
+    each checked against the type of the matching flag; unknown keys are refused with the
+    nearest option named."""
+    import difflib
+
+    from .config import SPEC_STRUCTURES, run_options
+
+    hints = {name: option.hint for name, option in run_options().items()}
+    aliases = _alias_names()
+    values: dict = {}
+    spec_engine_options: dict = {}
+    for key, value in load_job_spec(path).items():
+        if key == "engine_options":  # the engine's own table; its keys are checked by the engine
+            if not isinstance(value, dict):
+                raise UsageError(f"--job {path}: engine_options must be a table of KEY = value")
+            spec_engine_options.update(value)
+            continue
+        if key == "qc" and isinstance(value, dict):  # the [qc] table: mode, the qc_* options, thresholds
+            qc_values, limits = _qc_table(path, value, hints)
+            values.update(qc_values)
+            if limits:
+                values["qc_limits"] = limits
+            continue
+        if key in aliases:  # a spec's alias keys are its engine options; flags override both
+            spec_engine_options.setdefault(key, value)
+            continue
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; options are: {', '.join(sorted(hints))}"
+            raise UsageError(f"--job {path}: unknown key {key!r}{hint}")
+        if key == "export" and isinstance(value, list):
+            value = ",".join(map(str, value))
+        if key in SPEC_STRUCTURES and isinstance(value, (list, dict)):
+            values[key] = value  # the engine section parses and checks it
+            continue
+        values[key] = _typed(path, key, value, hints[key])
+    if spec_engine_options:
+        values["engine_options"] = spec_engine_options
+    return values
+
+
+def config_from_spec(path: Optional[Path] = None, **overrides):
+    """A RunConfig from a job spec (TOML or YAML; None: no spec) with flat options given as
+    keywords overriding its values, as flags on `cosybatch run --job` do: what the CLI builds."""
+    from .config import RunConfig
+
+    values = spec_options(Path(path)) if path is not None else {}
+    values.update(overrides)
+    return RunConfig.from_options(**values)
+
+
+def _alias_names() -> set:
+    from .engines import engine_aliases
+
+    return set(engine_aliases())
+
+
+def _qc_table(path: Path, table: dict, hints: dict) -> tuple[dict, dict]:
+    """A job spec's [qc] table -> (qc_* option values, signal thresholds). `mode` is --qc; a key
+    named like a --qc-* flag without its prefix sets that flag; the rest are thresholds, checked by
+    the quality section against the known names."""
+    values, limits = {}, {}
+    for key, value in table.items():
+        key = str(key).replace("-", "_")
+        name = "qc" if key == "mode" else f"qc_{key}"
+        if name in hints and name != "qc_limits":
+            values[name] = _typed(path, f"qc.{key}", value, hints[name])
+        else:
+            limits[key] = value
+    return values, limits
+
+
+def _typed(path: Path, key: str, value, hint):
+    """A spec value as the flag's type: int, float, bool, str or Path (each maybe Optional)."""
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    target = args[0] if args else hint
+    if value is None and args:
+        return None
+    if typing.get_origin(target) is list:  # engine_opt: a list of KEY=VALUE strings
+        if isinstance(value, list) and all(isinstance(x, str) for x in value):
+            return value
+        raise UsageError(f"--job {path}: {key} = {quote(value)} should be a list of KEY=VALUE strings")
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, (str, int, float)) and not isinstance(value, bool),
+        Path: isinstance(value, str),
+    }.get(target, False)
+    if not ok:
+        raise UsageError(f"--job {path}: {key} = {quote(value)} should be a {getattr(target, '__name__', target)}")
+    return target(value)

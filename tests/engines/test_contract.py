@@ -200,10 +200,10 @@ def test_aliases_come_from_the_engines():
 
 
 def test_an_alias_flag_sets_its_engine_option():
-    from cosybatch import cli
+    from cosybatch.config import RunConfig
 
-    cfg = cli._build_config({**cli._run_defaults(), "corpus": Path("c.jsonl"), "engine_opt": ["speaker=1"],
-                             "voice_dir": Path("voices"), "speaker": "2"})
+    cfg = RunConfig.from_options(corpus=Path("c.jsonl"), engine_opt=["speaker=1"], voice_dir=Path("voices"),
+                                 speaker="2")
     assert cfg.engine_options == {"speaker": "2", "voice_dir": Path("voices")}  # the alias wins over --engine-opt
 
 
