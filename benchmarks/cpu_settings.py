@@ -39,7 +39,8 @@ def main() -> None:
 
         def setting(k: int, overrides: dict):
             def once(rnd: int) -> dict:
-                cfg = RunConfig(corpus=corpus, out=Path(tmp) / f"out-{rnd}-{k}", device="cpu", progress="none",
+                cfg = RunConfig.from_options(corpus=corpus, out=Path(tmp) / f"out-{rnd}-{k}", device="cpu",
+                                             progress="none",
                                 **overrides)
                 s = run(cfg).stats
                 return {"audio_s_per_s": s["audio_seconds"] / (s["wall_seconds"] - s["stage_seconds"]["load"])}

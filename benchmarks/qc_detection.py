@@ -136,7 +136,7 @@ def main() -> None:
         raise SystemExit(f"no clips in {folder}")
     rate = clips[0]["rate"]
     versions = inject(clips, args.seed)
-    cfg = RunConfig(corpus=args.corpus, out=Path("unused"))
+    cfg = RunConfig.from_options(corpus=args.corpus, out=Path("unused"))
     gate_settings = QCSettings(mode="gate")
     lim = gate_settings.limits
     asr_settings = {"asr-flagged": QCSettings(mode="asr", asr_rows="flagged"),
@@ -159,7 +159,8 @@ def main() -> None:
                 continue
             signals = measure(audio, rate, c["text"], raw=[raw]).as_dict()
             z = history.z(c["voice"], signals["s_per_unit"], lim.min_history)
-            entry.update(audio=audio, signals=signals, z=z, flags=flags(signals, None, z, lim, cfg.sentence_silence))
+            entry.update(audio=audio, signals=signals, z=z, flags=flags(signals, None, z, lim,
+                                                                        cfg.output.sentence_silence_s))
             judged[kind].append(entry)
         clean = judged["clean"][i]
         if "dead" not in clean and not any(f in HARD for f in clean["flags"]):

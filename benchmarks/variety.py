@@ -75,9 +75,10 @@ def main() -> None:
     common = {"corpus": corpus, "out": tmp / "out", "threads": args.threads, "seed": 7}
     length = {"length_scale": args.length_scale}
     configs = {
-        "one voice, fixed scales": RunConfig(**common),
-        f"one voice, length {args.length_scale}": RunConfig(**common, engine_options=length),
-        f"pool of 4, length {args.length_scale}": RunConfig(**common, voice_pool=str(pool), voice_pool_mode="balanced",
+        "one voice, fixed scales": RunConfig.from_options(**common),
+        f"one voice, length {args.length_scale}": RunConfig.from_options(**common, engine_options=length),
+        f"pool of 4, length {args.length_scale}": RunConfig.from_options(**common, voice_pool=str(pool),
+                                                                         voice_pool_mode="balanced",
                                                             engine_options=length),
     }
     variants = {}
@@ -85,7 +86,8 @@ def main() -> None:
         engines, units, cost = prepared(cfg, rows, args.device)
         batches = plan_batches(units, args.batch_size, args.batch_size * args.budget_per_item)
         variants[name] = {"engines": engines, "batches": batches, "cost": cost, "real": 0, "padded": 0, "audio": {}}
-    hashed = prepared(RunConfig(**common, voice_pool=str(pool), engine_options=length), rows, args.device)[2]
+    hashed = prepared(RunConfig.from_options(**common, voice_pool=str(pool), engine_options=length), rows,
+                      args.device)[2]
     for v in variants.values():  # each session's first batches grow its memory arena: not timed
         for batch in v["batches"]:
             warm = [u for u in batch.units if u.cost < 40][:4] or list(batch.units[:1])

@@ -99,6 +99,6 @@ def tone():
         pytest.fail("the test plugin is not installed: pip install --no-deps ./tests/plugin (as .ci/run does)")
 
     def config(corpus: Path, out: Path, **settings) -> RunConfig:
-        return RunConfig(corpus=corpus, out=out, **{"engine": "tone", "progress": "none", **settings})
+        return RunConfig.from_options(corpus=corpus, out=out, **{"engine": "tone", "progress": "none", **settings})
 
     return config

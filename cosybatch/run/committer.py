@@ -32,7 +32,7 @@ class Committer:
                  report: Callable[[Committed], None], stop: threading.Event, uncommitted: threading.Semaphore):
         self.cfg, self.journal, self.line, self.report = cfg, journal, line, report
         self.stop, self.uncommitted = stop, uncommitted
-        self.shard = ShardWriter(cfg.out, state.open_shard, state.open_offset, state.open_items) \
+        self.shard = ShardWriter(cfg.output.folder, state.open_shard, state.open_offset, state.open_items) \
             if state.open_shard is not None else None
         self.next_shard = state.next_shard
         self.error: Optional[BaseException] = None  # what ended the writer early, for the main thread
@@ -81,7 +81,7 @@ class Committer:
         mtime = int(time.time())
         for key, members, record in done.items:
             if self.shard is None:
-                self.shard = ShardWriter(self.cfg.out, self.next_shard)
+                self.shard = ShardWriter(self.cfg.output.folder, self.next_shard)
                 self.next_shard += 1
             self.shard.add(key, members, mtime)
             items.append(record)
@@ -91,8 +91,8 @@ class Committer:
                                  "end": end, "items": items})
         if done.failures:
             self._journal_failures(done.failures)
-        if self.shard is not None and (self.shard.items >= self.cfg.shard_max_items
-                                       or self.shard.offset >= self.cfg.shard_max_bytes):
+        if self.shard is not None and (self.shard.items >= self.cfg.output.shard_max_items
+                                       or self.shard.offset >= self.cfg.output.shard_max_bytes):
             self.close_shard()
         self.report(Committed(items=len(items), audio_s=sum(i["duration_s"] for i in items),
                               failed=len(done.failures), batches=[o.work() for o in done.batches], qc=done.qc,

@@ -85,14 +85,14 @@ def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
     if len(parts) == 1:
         audio = parts[0]
     else:
-        gap = np.zeros(round(cfg.sentence_silence * sample_rate), dtype=np.float32)
+        gap = np.zeros(round(cfg.output.sentence_silence_s * sample_rate), dtype=np.float32)
         pieces = []
         for i, part in enumerate(parts):
             if i:
                 pieces.append(gap)
             pieces.append(part)
         audio = np.concatenate(pieces)
-    if cfg.normalize:
+    if cfg.output.normalize:
         peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
         audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
     return audio
@@ -105,7 +105,7 @@ def segment_times(parts: list, texts: Optional[list], sample_rate: int, cfg: Run
     None or all None); a piece whose text it could not tell has text None."""
     if not texts or all(t is None for t in texts):
         return None
-    gap = round(cfg.sentence_silence * sample_rate) if len(parts) > 1 else 0
+    gap = round(cfg.output.sentence_silence_s * sample_rate) if len(parts) > 1 else 0
     segments, at = [], 0
     for i, (part, text) in enumerate(zip(parts, texts, strict=True)):
         if i:
@@ -200,7 +200,7 @@ class EngineSet:
         if key in self.errors:
             raise RowRejected(self.errors[key])
         try:
-            engine = open_engine(self.cfg.engine, voice, self.cfg.engine_options_for(self.device, not from_row))
+            engine = open_engine(self.cfg.engine.name, voice, self.cfg.engine_options_for(self.device, not from_row))
         except CosybatchError as exc:
             if not from_row:
                 raise
@@ -232,12 +232,12 @@ class EngineSet:
                 index = self.router.pick(pool, row.id)
                 entry = pool.entries[index]
         if entry is not None:
-            voice = entry.voice or self.cfg.voice
+            voice = entry.voice or self.cfg.engine.voice
             engine = self.get(voice, from_row=False)
             request = VoiceRequest(voice, entry.prompt_wav, entry.prompt_text, False, row.instruct,
                                    speaker=entry.speaker, pooled=True)
         else:
-            voice = row.voice or self.cfg.voice
+            voice = row.voice or self.cfg.engine.voice
             engine = self.get(voice, from_row=row.voice is not None)
             request = VoiceRequest(voice, row.prompt_wav, row.prompt_text, own, row.instruct)
         if row.prompt_wav is not None and not self.cls.zero_shot:
@@ -277,14 +277,14 @@ class EngineSet:
     def candidate_engines(self, row: Row) -> list[Engine]:
         """The engines a committed row without its own voice may have been made with (its pool's
         voices, or the job's voice): for adopting items the journal does not list."""
-        voices = {self.cfg.voice}
+        voices = {self.cfg.engine.voice}
         if self.router.active and row.voice is None and row.prompt_wav is None:
             try:
                 pool, _ = self.router.pool_for(row.language)
             except LookupError:
                 return []
             if pool is not None:
-                voices = {e.voice or self.cfg.voice for e in pool.entries}
+                voices = {e.voice or self.cfg.engine.voice for e in pool.entries}
         found = []
         for voice in sorted(voices, key=lambda v: v or ""):
             try:
@@ -307,10 +307,10 @@ class BatchPolicy:
     @classmethod
     def for_engine(cls, cfg: RunConfig, engine: Engine, workers: Optional[int] = None) -> BatchPolicy:
         size, per_item = engine.batch_defaults()
-        batch_size = cfg.batch_size or size
-        workers = workers or cfg.workers or (cpu_count() if engine.device == "cpu" else 2)
+        batch_size = cfg.batching.batch_size or size
+        workers = workers or cfg.batching.workers or (cpu_count() if engine.device == "cpu" else 2)
         probed = engine.memory_plan().probed_budget  # sized to the GPU pool; workers share it
-        budget = cfg.batch_budget or (max(1, probed // workers) if probed else None) or batch_size * per_item
+        budget = cfg.batching.batch_budget or (max(1, probed // workers) if probed else None) or batch_size * per_item
         return cls(batch_size, budget, workers, BudgetGuard(budget))
 
     def plan(self, units: list[Unit], first_seq: int = 0) -> list[Batch]:

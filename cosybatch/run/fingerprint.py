@@ -27,12 +27,13 @@ def job_fingerprint(cfg: RunConfig, corpus: Corpus, engine: dict, runner: Option
         **({"qc": qc} if qc else {}),
         **({"runner": runner} if runner else {}),
         "corpus": corpus.fingerprint(),
-        "columns": {"id": cfg.id_col, "text": cfg.text_col, "voice": cfg.voice_col, "format": corpus.format},
+        "columns": {"id": cfg.input.id_col, "text": cfg.input.text_col, "voice": cfg.input.voice_col,
+                    "format": corpus.format},
         "engine": engine,
-        "seed": cfg.seed,
-        "sentence_silence": cfg.sentence_silence,
-        "normalize": cfg.normalize,
-        "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
+        "seed": cfg.engine.seed,
+        "sentence_silence": cfg.output.sentence_silence_s,
+        "normalize": cfg.output.normalize,
+        "shard": None if cfg.output.shard_count is None else [cfg.output.shard_index, cfg.output.shard_count],
         **({"voices": voices} if (voices := cfg.voice_router().describe()) else {}),
     }
 
@@ -41,7 +42,7 @@ def adopt_legacy_fingerprint(out: OutputDir, cfg: RunConfig, corpus: Corpus, fin
     """Jobs started by an older cosybatch recorded a hash of the corpus's first and last MiB only,
     no device and no corpus format. Where what was recorded still matches, the record is brought
     up to date, so an upgrade never asks for --allow-corpus-change or --restart."""
-    recorded = out.recorded() if not cfg.restart else None
+    recorded = out.recorded() if not cfg.output.restart else None
     if recorded is None:
         return
     old = recorded.get("fingerprint", {})
@@ -57,4 +58,4 @@ def adopt_legacy_fingerprint(out: OutputDir, cfg: RunConfig, corpus: Corpus, fin
             changed.append(f"{part}.{key} ({new[key]}) is recorded from now on")
     if changed:
         write_atomic(out.job_file, json_bytes(recorded))
-        log.info("%s: %s", cfg.out, "; ".join(changed))
+        log.info("%s: %s", cfg.output.folder, "; ".join(changed))

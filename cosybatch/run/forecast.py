@@ -58,7 +58,7 @@ class _Estimating(EngineSet):
             if any(s is None for s in each):
                 self.seconds = self.samples = None
             else:
-                clip = sum(each) + self.cfg.sentence_silence * (len(each) - 1)
+                clip = sum(each) + self.cfg.output.sentence_silence_s * (len(each) - 1)
                 self.seconds += clip
                 self.samples += round(clip * engine.sample_rate)
         return group, prepared, entry
@@ -72,7 +72,7 @@ def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
     corpus = open_corpus(cfg)
     engines = _Estimating(cfg)
     t = time.monotonic()
-    default = engines.get(cfg.voice, from_row=False)
+    default = engines.get(cfg.engine.voice, from_row=False)
     open_s = time.monotonic() - t
     policy = BatchPolicy.for_engine(cfg, default)
     line = RowLine(cfg, engines, policy, gate=None)  # nothing is synthesised, so nothing is judged
@@ -105,7 +105,7 @@ def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
         plan.update(audio_seconds="unknown", audio_hours="unknown", disk_bytes="unknown")
     else:
         plan.update(audio_seconds=round(engines.seconds, 1), audio_hours=round(engines.seconds / 3600, 4),
-                    disk_bytes=disk_bytes(engines.samples, engines.rows, cfg.shard_max_items))
+                    disk_bytes=disk_bytes(engines.samples, engines.rows, cfg.output.shard_max_items))
     found = {"audio_seconds_per_wall_second": rate, "from": "--rate"} if rate else earlier_rate(cfg, default)
     if found is not None:
         plan["rate"] = found
@@ -133,8 +133,8 @@ def disk_bytes(samples: int, items: int, per_shard: int) -> int:
 def earlier_rate(cfg: RunConfig, engine) -> Optional[dict]:
     """The rate of the latest complete earlier run of this engine, voice and device in the output
     root (the --out folder, its siblings, and their part-* folders), or None."""
-    root = cfg.out.parent if cfg.shard_count is None else cfg.out.parent.parent
-    paths = {cfg.out / STATS_FILE, *root.glob(f"*/{STATS_FILE}"), *root.glob(f"*/part-*/{STATS_FILE}")}
+    root = cfg.output.folder.parent if cfg.output.shard_count is None else cfg.output.folder.parent.parent
+    paths = {cfg.output.folder / STATS_FILE, *root.glob(f"*/{STATS_FILE}"), *root.glob(f"*/part-*/{STATS_FILE}")}
     best = None
     for path in sorted(paths):
         stats = _read(path)

@@ -82,7 +82,7 @@ def run_job(cfg: RunConfig, runner: Runner) -> RunResult:
     unlocked (and, if the job never started, as it was)."""
     cfg = runner.check(cfg)  # what `run --check` checks, before anything is written
     _, asr_model = preflight(cfg, runner.device(cfg))
-    with claimed(cfg.out) as out:
+    with claimed(cfg.output.folder) as out:
         try:
             return Job(cfg, out, runner, asr_model).run()
         finally:
@@ -117,8 +117,8 @@ class Job:
         """Signals and --max-runtime turn into a clean stop from the very start, model load included."""
         restore = self._install_signal_handlers()
         timer = None
-        if self.cfg.max_runtime is not None:
-            timer = threading.Timer(self.cfg.max_runtime, self.request_stop, args=("--max-runtime",))
+        if self.cfg.ops.max_runtime_s is not None:
+            timer = threading.Timer(self.cfg.ops.max_runtime_s, self.request_stop, args=("--max-runtime",))
             timer.daemon = True
             timer.start()
         try:
@@ -143,8 +143,8 @@ class Job:
         self._claim_signals()
         state, committed = self._open(corpus, fingerprint)         # checkpoint: what is done
         admission = Admission(cfg, state.done_ids, state.failed_rows, committed)
-        self.progress = Progress(self._total_rows(corpus), state.items + state.failures, cfg.progress,
-                                 cfg.log_every)
+        self.progress = Progress(self._total_rows(corpus), state.items + state.failures, cfg.ops.progress,
+                                 cfg.ops.log_every_s)
         try:                                                       # the row line, run by the runner
             dispatched = self.runner.dispatch(Dispatch(cfg, self.out, corpus, admission, self.stop, self.report))
         finally:
@@ -171,8 +171,8 @@ class Job:
         failed = stats.previous_items_failed + stats.items_failed
         if done.failed and max_failed is not None and failed > max_failed and not self.too_many_failures:
             rows = stats.previous_items_done + stats.items_done + failed
-            log.error("%s: stopping; see %s", failure_summary(failed, rows, self.cfg.max_failures),
-                      self.cfg.out / FAILURES_FILE)
+            log.error("%s: stopping; see %s", failure_summary(failed, rows, self.cfg.ops.max_failures),
+                      self.cfg.output.folder / FAILURES_FILE)
             self.too_many_failures = True
             self.stop.set()
         self.metrics_while_running()
@@ -183,29 +183,29 @@ class Job:
         fingerprint = job_fingerprint(cfg, corpus, engine_fingerprint, runner=self.runner.name,
                                       asr_model=self.asr_model)
         adopt_legacy_fingerprint(self.out, cfg, corpus, fingerprint)
-        was = self.out.check_or_start(fingerprint, cfg.restart, cfg.allow_corpus_change)
+        was = self.out.check_or_start(fingerprint, cfg.output.restart, cfg.output.allow_corpus_change)
         resumed = self.runner.resume(self.out, corpus, was)
         state = resumed.state
         self.repairs, self.quarantined = resumed.repairs, resumed.quarantined
-        self.last_success = _previous_success(cfg.out)
+        self.last_success = _previous_success(cfg.output.folder)
         self.stats.previous_items_done = state.items
         self.stats.previous_items_failed = state.failures
         self.stats.previous_audio_s = state.audio_s
         if was is not None:
-            log.info("resuming %s: %d items done, %d failed before", cfg.out, state.items, state.failures)
+            log.info("resuming %s: %d items done, %d failed before", cfg.output.folder, state.items, state.failures)
         write_atomic(self.out.state / RUN_FILE, json_bytes({
-            "pid": os.getpid(), "started": time.time(), "corpus": str(cfg.corpus.resolve()),
-            "total_rows": self._total_rows(corpus), "total_is_estimate": cfg.shard_count is not None,
-            "shard": None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count]}))
+            "pid": os.getpid(), "started": time.time(), "corpus": str(cfg.input.corpus.resolve()),
+            "total_rows": self._total_rows(corpus), "total_is_estimate": cfg.output.shard_count is not None,
+            "shard": None if cfg.output.shard_count is None else [cfg.output.shard_index, cfg.output.shard_count]}))
         return state, resumed.committed
 
     def _total_rows(self, corpus: Corpus) -> Optional[int]:
         cfg = self.cfg
         total = corpus.num_rows
-        if total is not None and cfg.limit:
-            total = min(total, cfg.limit)
-        if total is not None and cfg.shard_count is not None:
-            total = -(-total // cfg.shard_count)  # an estimate: ids spread evenly over workers
+        if total is not None and cfg.input.limit:
+            total = min(total, cfg.input.limit)
+        if total is not None and cfg.output.shard_count is not None:
+            total = -(-total // cfg.output.shard_count)  # an estimate: ids spread evenly over workers
         return total
 
     # -- limits --------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ class Job:
             max_failed is not None and failed > max_failed)
         if not over and not self.too_many_failures:
             return None
-        return failure_summary(failed, done + failed, self.cfg.max_failures)
+        return failure_summary(failed, done + failed, self.cfg.ops.max_failures)
 
     # -- interruption ------------------------------------------------------------------------
     def _on_signal(self, signum, _frame) -> None:
@@ -246,7 +246,7 @@ class Job:
 
     # -- the end -----------------------------------------------------------------------------
     def metrics_while_running(self) -> None:
-        if self.cfg.metrics_file is not None and time.monotonic() - self._metrics_written >= METRICS_EVERY_S:
+        if self.cfg.ops.metrics_file is not None and time.monotonic() - self._metrics_written >= METRICS_EVERY_S:
             self._write_metrics(self._snapshot("running"))
 
     def _snapshot(self, status: str, **extra) -> dict:
@@ -254,9 +254,9 @@ class Job:
         if self.qc_settings.mode != "off":
             self.stats.qc = self.qc_counts.summary(self.qc_settings)
         return self.stats.to_dict(
-            status=status, out=str(cfg.out), **self.runner.describe(), cosybatch=__version__,
+            status=status, out=str(cfg.output.folder), **self.runner.describe(), cosybatch=__version__,
             cold_start_seconds=round(self.stats.stage_s["load"], 3),
-            shard=None if cfg.shard_count is None else [cfg.shard_index, cfg.shard_count],
+            shard=None if cfg.output.shard_count is None else [cfg.output.shard_index, cfg.output.shard_count],
             last_success_timestamp_seconds=self.last_success,
             **extra,
         )
@@ -270,21 +270,22 @@ class Job:
             summary = {"items": totals["items_done"], "failed": totals["items_failed"],
                        "audio_hours": round(totals["audio_seconds"] / 3600, 4), "engine": stats.get("engine"),
                        "voice": stats.get("voice"), "qc": stats.get("qc")}
-            write_job_report(self.cfg.out, summary=summary, seed=self.cfg.seed)
+            write_job_report(self.cfg.output.folder, summary=summary, seed=self.cfg.engine.seed)
         except Exception as exc:
-            log.warning("could not write %s: %s", self.cfg.out / "report.html", exc)
+            log.warning("could not write %s: %s", self.cfg.output.folder / "report.html", exc)
 
     def _metrics_job(self) -> str:
         from ..metrics import default_job_name
 
-        root = self.cfg.out.parent if self.cfg.shard_count is not None else self.cfg.out  # the job, not the part
-        return self.cfg.metrics_job or default_job_name(root)
+        # the job, not the part
+        root = self.cfg.output.folder.parent if self.cfg.output.shard_count is not None else self.cfg.output.folder
+        return self.cfg.ops.metrics_job or default_job_name(root)
 
     def _metrics_grouping(self) -> dict[str, str]:
         """The shard, when sharded: one Pushgateway group (and one series) per worker."""
-        if self.cfg.shard_count is None:
+        if self.cfg.output.shard_count is None:
             return {}
-        return {"shard": f"{self.cfg.shard_index}/{self.cfg.shard_count}"}
+        return {"shard": f"{self.cfg.output.shard_index}/{self.cfg.output.shard_count}"}
 
     def _metrics_registry(self, snapshot: dict):
         from ..metrics import registry
@@ -298,10 +299,10 @@ class Job:
 
         self._metrics_written = time.monotonic()
         try:
-            write_textfile(self.cfg.metrics_file, self._metrics_registry(snapshot))
+            write_textfile(self.cfg.ops.metrics_file, self._metrics_registry(snapshot))
         except Exception as exc:  # monitoring must never stop the audio
             if not self._metrics_failed:
-                log.error("cannot write --metrics-file %s: %s", self.cfg.metrics_file, exc)
+                log.error("cannot write --metrics-file %s: %s", self.cfg.ops.metrics_file, exc)
             self._metrics_failed = True
 
     def _finish(self, dispatched: Dispatched) -> RunResult:
@@ -315,35 +316,35 @@ class Job:
         corpus_error = dispatched.corpus_error
         status = ("too_many_failures" if too_many_failures else "interrupted" if interrupted
                   else "damaged" if problems else "corpus_error" if corpus_error else "complete")
-        if status == "complete" and cfg.export:
+        if status == "complete" and cfg.output.exports:
             from ..store.exports import export
 
-            for fmt in cfg.export:
-                export(cfg.out, fmt, require_complete=False, copy=cfg.export_copy)
+            for fmt in cfg.output.exports:
+                export(cfg.output.folder, fmt, require_complete=False, copy=cfg.output.export_copy)
         if status == "complete":
             self.last_success = round(time.time(), 3)
         if self.quarantined:
             extra["quarantined"] = self.quarantined
         stats = self._snapshot(status, repairs=self.repairs, problems=problems, **extra)
-        write_atomic(cfg.out / STATS_FILE, json_bytes(stats))
+        write_atomic(cfg.output.folder / STATS_FILE, json_bytes(stats))
         if status == "complete" and self.qc_settings.mode != "off":
             self._write_report(stats)
         if status == "complete":
             from ..store.card import write_card
 
-            write_card(cfg.out)  # OUT/README.md, the dataset card (never fails the job)
-        if cfg.metrics_file is not None:
+            write_card(cfg.output.folder)  # OUT/README.md, the dataset card (never fails the job)
+        if cfg.ops.metrics_file is not None:
             self._write_metrics(stats)
-        if cfg.pushgateway:
+        if cfg.ops.pushgateway:
             from ..metrics import push
 
             try:
-                push(cfg.pushgateway, self._metrics_registry(stats), job=self._metrics_job(),
+                push(cfg.ops.pushgateway, self._metrics_registry(stats), job=self._metrics_job(),
                      grouping=self._metrics_grouping())
             except Exception as exc:  # the audio is safe; no monitoring problem may fail the job
-                log.warning("could not push metrics to %s: %s", cfg.pushgateway, exc)
+                log.warning("could not push metrics to %s: %s", cfg.ops.pushgateway, exc)
         if too_many_failures:
-            log.error("%s; see %s", too_many_failures, cfg.out / FAILURES_FILE)
+            log.error("%s; see %s", too_many_failures, cfg.output.folder / FAILURES_FILE)
             return RunResult(status, EXIT_TOO_MANY_FAILURES, stats, error=too_many_failures)
         if interrupted:
             log.warning("interrupted by %s: committed work is kept; rerun the same command to resume",
@@ -351,7 +352,7 @@ class Job:
             return RunResult(status, EXIT_INTERRUPTED, stats)
         if problems:
             for problem in problems:
-                log.error("%s: %s", cfg.out, problem)
+                log.error("%s: %s", cfg.output.folder, problem)
             log.error("the output folder changed under the run; rerun the same command to repair it")
             return RunResult(status, EXIT_INTERRUPTED, stats)
         if corpus_error is not None:

@@ -59,9 +59,9 @@ class Admission:
 
     def __init__(self, cfg: RunConfig, done_ids: Iterable = (), failed_rows: Iterable = (),
                  committed: Optional[dict] = None):
-        self.limit = cfg.limit
-        self.shard = None if cfg.shard_count is None else (cfg.shard_index, cfg.shard_count)
-        self.max_chars = cfg.max_chars
+        self.limit = cfg.input.limit
+        self.shard = None if cfg.output.shard_count is None else (cfg.output.shard_index, cfg.output.shard_count)
+        self.max_chars = cfg.input.max_chars
         self.done_ids = set(done_ids)
         self.failed_rows = set(failed_rows)
         self.seen = set(self.done_ids)
@@ -194,7 +194,7 @@ class RowLine:
                 seq += len(batches)
                 yield "batches", batches
                 units, rows_in_window = [], 0
-                window_rows = min(window_rows * 4, self.cfg.window)
+                window_rows = min(window_rows * 4, self.cfg.batching.window)
             if len(failures) >= FAILURE_FLUSH:
                 yield "failed", failures
                 failures = []
@@ -294,7 +294,7 @@ def open_gate(cfg: RunConfig, engines: EngineSet, transcriber=None,
               on_retry: Optional[Callable[[int], None]] = None) -> QualityGate:
     """The run's quality gate, for its engines (their default voice's language, whether they can
     make a row again with new seeds)."""
-    gate = QualityGate(cfg.qc_settings(), cfg.seed, cfg.sentence_silence, transcriber,
+    gate = QualityGate(cfg.qc_settings(), cfg.engine.seed, cfg.output.sentence_silence_s, transcriber,
                        can_retake=takes_attempt(engines.cls), engine_name=engines.cls.name, on_retry=on_retry)
     default = next(iter(engines.by_voice.values()), None)
     if default is not None:

@@ -61,7 +61,7 @@ class LocalRunner(Runner):
     def start(self, cfg: RunConfig, asr_model: Optional[Path]) -> dict:
         self.cfg = cfg
         self.engines = EngineSet(cfg)
-        default = self.engines.get(cfg.voice, from_row=False)
+        default = self.engines.get(cfg.engine.voice, from_row=False)
         self.default_engine = default
         self.policy = BatchPolicy.for_engine(cfg, default)
         self.workers = self.policy.workers
@@ -81,7 +81,7 @@ class LocalRunner(Runner):
             if not rows:
                 rows.update(_rows_of_this_job(corpus, cfg))
             if meta.get("id") not in rows:
-                return "its id is not in this corpus" + (" part" if cfg.shard_count is not None else "")
+                return "its id is not in this corpus" + (" part" if cfg.output.shard_count is not None else "")
             source, row = rows[meta["id"]]
             if "source" not in meta:
                 return "its KEY.json has no source hash (written before cosybatch recorded one), so its row is unknown"
@@ -89,7 +89,7 @@ class LocalRunner(Runner):
                 return "it was made from a different row (text, voice or prompt)"
             try:
                 if row.voice is not None or row.prompt_wav is not None or not self.engines.router.active:
-                    engine = self.engines.get(row.voice or cfg.voice, from_row=row.voice is not None)
+                    engine = self.engines.get(row.voice or cfg.engine.voice, from_row=row.voice is not None)
                 else:  # a voice of the pool: the one it names
                     engine = next((e for e in self.engines.candidate_engines(row)
                                    if e.voice_name == meta.get("voice")), None)
@@ -97,11 +97,12 @@ class LocalRunner(Runner):
                         return "its voice is none of this job's pool"
             except RowRejected as exc:
                 return f"its row's voice does not load here ({exc})"
-            settings = {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence, "normalize": cfg.normalize}
+            settings = {**engine.fingerprint(), "sentence_silence": cfg.output.sentence_silence_s,
+                        "normalize": cfg.output.normalize}
             made = meta.get("settings")
             made = {k: v for k, v in made.items() if k != "cosybatch"} if isinstance(made, dict) else None
             # (the version that wrote it does not change what the job asked for)
-            if meta.get("engine") != engine.name or meta.get("seed") != cfg.seed or made != settings:
+            if meta.get("engine") != engine.name or meta.get("seed") != cfg.engine.seed or made != settings:
                 return "it was made with other settings (engine, seed or voice settings)"
             return None
 
@@ -141,7 +142,8 @@ class LocalRunner(Runner):
         results: queue.Queue = queue.Queue()
         workers = [threading.Thread(target=self._infer_loop, args=(stop, work, results), daemon=True,
                                     name=f"infer-{i}") for i in range(self.workers)]
-        writer = threading.Thread(target=self.committer.loop, args=(results, lambda e: output_error(cfg.out, e)),
+        writer = threading.Thread(target=self.committer.loop, args=(results, lambda e: output_error(cfg.output.folder,
+                                                                                                    e)),
                                   daemon=True, name="writer")
         for t in [*workers, writer]:
             t.start()
@@ -236,16 +238,16 @@ class LocalRunner(Runner):
             return None
         cfg = self.cfg
         changes = list(self.admission.changed)
-        if self.reading.whole_corpus and cfg.limit is None:
+        if self.reading.whole_corpus and cfg.input.limit is None:
             changes += [{"id": i, "row": None, "change": "removed",
                          "detail": "not in the corpus any more; its committed audio was kept"}
                         for i in self.committed_sources if i not in self.admission.still_there]
-        write_atomic(cfg.out / CORPUS_CHANGES_FILE, jsonl_bytes(changes))
+        write_atomic(cfg.output.folder / CORPUS_CHANGES_FILE, jsonl_bytes(changes))
         out.corpus_change_reported()
         counts = {kind: sum(1 for c in changes if c["change"] == kind) for kind in ("changed", "removed")}
         if changes:
             log.warning("%d committed ids changed and %d are no longer in the corpus; see %s", counts["changed"],
-                        counts["removed"], cfg.out / CORPUS_CHANGES_FILE)
+                        counts["removed"], cfg.output.folder / CORPUS_CHANGES_FILE)
         return counts
 
 

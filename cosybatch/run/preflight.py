@@ -5,7 +5,6 @@ the quality gate's ASR model. Also the corpus and the ASR model as a run opens t
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +21,7 @@ def preflight(cfg: RunConfig, device: Optional[str] = None) -> tuple[dict, Optio
     """The engine, its voice and every voice a pool or the voice map names, checked on `device`
     (default: --device) without loading a model. Returns the engine's resolved settings and the
     ASR model folder `--qc asr` will load (None for the other modes)."""
-    resolved = engine_check(cfg.engine_class(), cfg.voice, cfg.engine_options_for(device))
+    resolved = engine_check(cfg.engine_class(), cfg.engine.voice, cfg.engine_options_for(device))
     check_pool_voices(cfg, device)
     return resolved, check_qc(cfg)
 
@@ -34,27 +33,27 @@ def check(cfg: RunConfig) -> dict:
     configure_gpu_allocator(cfg)  # as a run does, before the device check may import torch
     check_device(cfg)
     resolved, model = preflight(cfg)
-    return {"config": asdict(cfg), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
+    return {"config": cfg.to_dict(), "corpus": {"format": corpus.format, "rows": corpus.num_rows},
             "voice": resolved.get("voice", resolved), **({"qc_asr_model": str(model)} if model else {})}
 
 
 def part_config(cfg: RunConfig) -> RunConfig:
     """A sharded worker's config: each worker owns a self-contained folder OUT/part-I-of-N, which
     `cosybatch merge` presents as one, and its own metrics file."""
-    if cfg.shard_count is None:
+    if cfg.output.shard_count is None:
         return cfg
-    part = part_name(cfg.shard_index, cfg.shard_count)
-    metrics = cfg.metrics_file
+    part = part_name(cfg.output.shard_index, cfg.output.shard_count)
+    metrics = cfg.ops.metrics_file
     if metrics is not None:  # workers sharing a volume must not overwrite each other's file
         metrics = metrics.with_name(f"{metrics.stem}.{part}{metrics.suffix}")
-    return replace(cfg, out=cfg.out / part, metrics_file=metrics)
+    return cfg.with_options(out=cfg.output.folder / part, metrics_file=metrics)
 
 
 def check_device(cfg: RunConfig) -> None:
     """--device cuda on a machine where the engine cannot use CUDA is a usage error, for `run` and
     `run --check` alike, found before any folder is written or model loaded (the engine's own check
     would come later, at load). Engines say what runs them on a GPU (`Engine.gpu_runtime`)."""
-    if cfg.device != "cuda":
+    if cfg.engine.device != "cuda":
         return
     from ..gpu import cuda_problem
 
@@ -68,7 +67,7 @@ def check_device(cfg: RunConfig) -> None:
 
 def configure_gpu_allocator(cfg: RunConfig) -> None:
     """For engines that run torch on a GPU: its allocator is chosen before torch can start CUDA."""
-    if cfg.engine_class().needs_torch_allocator and cfg.device != "cpu":
+    if cfg.engine_class().needs_torch_allocator and cfg.engine.device != "cpu":
         from ..gpu import configure_allocator
 
         note = configure_allocator()
@@ -77,11 +76,11 @@ def configure_gpu_allocator(cfg: RunConfig) -> None:
 
 
 def open_corpus(cfg: RunConfig) -> Corpus:
-    return Corpus(cfg.corpus, Columns(
-        id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
-        id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None,
+    return Corpus(cfg.input.corpus, Columns(
+        id=cfg.input.id_col or "id", text=cfg.input.text_col, voice=cfg.input.voice_col or "voice",
+        id_required=cfg.input.id_col is not None, voice_required=cfg.input.voice_col is not None,
         # An engine may read another column as the voice when there is no voice column.
-        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.format)
+        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.input.format)
 
 
 def check_pool_voices(cfg: RunConfig, device: Optional[str] = None) -> None:
@@ -90,7 +89,7 @@ def check_pool_voices(cfg: RunConfig, device: Optional[str] = None) -> None:
     cls = cfg.engine_class()
     if cls.multi_voice:
         return
-    entries = (*cfg.voice_pool, *(e for pool in cfg.voice_map.values() for e in pool))
+    entries = (*cfg.engine.voice_pool, *(e for pool in cfg.engine.voice_map.values() for e in pool))
     for voice in sorted({e.voice for e in entries if e.voice is not None}):
         engine_check(cls, voice, cfg.engine_options_for(device))
 
@@ -102,7 +101,7 @@ def check_qc(cfg: RunConfig) -> Optional[Path]:
         return None
     from ..qc.asr import ready_model
 
-    return ready_model(cfg.qc_asr_model)
+    return ready_model(cfg.quality.asr_model)
 
 
 def open_transcriber(cfg: RunConfig, model: Optional[Path], device: str):
@@ -120,4 +119,4 @@ def open_transcriber(cfg: RunConfig, model: Optional[Path], device: str):
             where = "cuda"
         else:
             log.warning("the engine runs on CUDA but CTranslate2 sees no CUDA device: the ASR runs on the CPU")
-    return Transcriber(model, where, threads=max(1, cfg.threads))
+    return Transcriber(model, where, threads=max(1, cfg.engine.threads))

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -84,11 +84,11 @@ class SynthWorker:
     and one tar shard per chunk of rows."""
 
     def __init__(self, cfg: RunConfig, device: str):
-        cfg = replace(cfg, device=device)
+        cfg = cfg.with_options(device=device)
         self.cfg = cfg
         configure_gpu_allocator(cfg)  # this actor's own process: before its engine imports torch
         self.engines = EngineSet(cfg)
-        self.default = self.engines.get(cfg.voice, from_row=False)
+        self.default = self.engines.get(cfg.engine.voice, from_row=False)
         self.policy = BatchPolicy.for_engine(cfg, self.default, workers=1)  # an actor runs one batch at a time
         # The ASR model as this actor's machine has it (the driver's path may not exist here).
         self.transcriber = open_transcriber(cfg, check_qc(cfg), self.default.device)
@@ -114,12 +114,12 @@ class SynthWorker:
         items = []
         for tar_key, members, record in sorted(done.items, key=lambda r: r[2]["row"]):  # the same bytes on a retry
             if shard is None:
-                shard = ShardWriter(cfg.out, 0, name=name)
+                shard = ShardWriter(cfg.output.folder, 0, name=name)
             shard.add(tar_key, members, int(time.time()))
             items.append({**record, "shard": name})
         # Failures first: if the process dies before the rename, the rows are simply redone.
         if done.failures:
-            write_atomic(cfg.out / ".cosybatch" / RAY_FAILURES_DIR / f"{digest}.jsonl",
+            write_atomic(cfg.output.folder / ".cosybatch" / RAY_FAILURES_DIR / f"{digest}.jsonl",
                          jsonl_bytes(done.failures))
         if shard is not None:
             shard.close()
@@ -183,16 +183,16 @@ class RayRunner(Runner):
         self.started_ray = False
 
     def check(self, cfg: RunConfig) -> RunConfig:
-        if cfg.shard_count is not None:
+        if cfg.output.shard_count is not None:
             raise UsageError("ray-run spreads the work over its actors itself; drop --shard")
-        if cfg.voice_pool_mode == "balanced" and (cfg.voice_pool or cfg.voice_map):
+        if cfg.engine.voice_pool_mode == "balanced" and (cfg.engine.voice_pool or cfg.engine.voice_map):
             raise UsageError("ray-run cannot balance a voice pool (its actors take rows in no fixed order); use "
                              "--voice-pool-mode hash, which gives each id the same voice on any actor")
-        defaults = RunConfig(corpus=cfg.corpus, out=cfg.out)
+        defaults = RunConfig.from_options(corpus=cfg.input.corpus, out=cfg.output.folder)
         unsupported = [name for name in ("metrics_file", "pushgateway", "metrics_job", "max_runtime",
                                          "shard_max_items", "shard_max_bytes", "workers", "window",
                                          "allow_corpus_change")
-                       if getattr(cfg, name) != getattr(defaults, name)]
+                       if cfg.option(name) != defaults.option(name)]
         if unsupported:
             raise UsageError(f"ray-run does not support {', '.join(unsupported)}: Ray's dashboard and job "
                              "timeouts cover metrics and time limits, and each ray-run shard is one chunk "
@@ -200,7 +200,7 @@ class RayRunner(Runner):
         return cfg
 
     def device(self, cfg: RunConfig) -> Optional[str]:
-        return "cuda" if self.opts.num_gpus > 0 else "cpu" if cfg.device == "auto" else cfg.device
+        return "cuda" if self.opts.num_gpus > 0 else "cpu" if cfg.engine.device == "auto" else cfg.engine.device
 
     def start(self, cfg: RunConfig, asr_model: Optional[Path]) -> dict:
         import ray
@@ -252,7 +252,7 @@ class RayRunner(Runner):
                 return pool.get_next_unordered()
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, OSError):  # an actor could not write (disk full): resumable
-                    raise OutputError(f"an actor could not write to {cfg.out} ({exc.cause}); finished "
+                    raise OutputError(f"an actor could not write to {cfg.output.folder} ({exc.cause}); finished "
                                       "shards are intact: free space, then rerun the same command") from None
                 raise
 

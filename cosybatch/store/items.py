@@ -33,9 +33,9 @@ def render_item(row: Row, text: str, audio: np.ndarray, engine: Any, cfg: Any,
     meta = {
         "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
         "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": voice,
-        "engine": engine.name, "seed": cfg.seed, "row": row.index,
-        "settings": {**engine.fingerprint(), "sentence_silence": cfg.sentence_silence,
-                     "normalize": cfg.normalize, "cosybatch": __version__},
+        "engine": engine.name, "seed": cfg.engine.seed, "row": row.index,
+        "settings": {**engine.fingerprint(), "sentence_silence": cfg.output.sentence_silence_s,
+                     "normalize": cfg.output.normalize, "cosybatch": __version__},
     }
     if instruct is not None:
         meta["instruct"] = instruct

@@ -168,7 +168,7 @@ def test_run_check_reports_a_broken_check_clearly(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "a", "text": "hello"}\n')
     with pytest.raises(EngineError, match=r"engine 'nonecheck': its check\(\) returned None"):
-        preflight.check(RunConfig(corpus=corpus, out=tmp_path / "out", engine="nonecheck", device="cpu"))
+        preflight.check(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", engine="nonecheck", device="cpu"))
 
 
 def test_quantize_is_an_optional_capability():
@@ -204,7 +204,7 @@ def test_an_alias_flag_sets_its_engine_option():
 
     cfg = RunConfig.from_options(corpus=Path("c.jsonl"), engine_opt=["speaker=1"], voice_dir=Path("voices"),
                                  speaker="2")
-    assert cfg.engine_options == {"speaker": "2", "voice_dir": Path("voices")}  # the alias wins over --engine-opt
+    assert cfg.engine.options == {"speaker": "2", "voice_dir": Path("voices")}  # the alias wins over --engine-opt
 
 
 def _run_help() -> str:

@@ -250,7 +250,8 @@ def test_worker_index_out_of_range_names_its_variable(env, source):
 def test_shard_out_of_range_is_reported(spec, tmp_path):
     with pytest.raises(UsageError, match=r"--shard"):
         index, count = parse_shard(spec, env={"JOB_COMPLETION_INDEX": "0"})
-        RunConfig(corpus=tmp_path / "c.parquet", out=tmp_path / "out", shard_index=index, shard_count=count)
+        RunConfig.from_options(corpus=tmp_path / "c.parquet", out=tmp_path / "out", shard_index=index,
+                               shard_count=count)
 
 
 @pytest.mark.slow
@@ -265,7 +266,7 @@ def test_a_byte_order_mark_before_the_first_jsonl_line_is_accepted(tmp_path):
 
     path = tmp_path / "c.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"id": "first", "text": "Hello."}\n{"id": "second", "text": "Bye."}\n')
-    result = run(RunConfig(corpus=path, out=tmp_path / "out", progress="none"))
+    result = run(RunConfig.from_options(corpus=path, out=tmp_path / "out", progress="none"))
     assert result.stats["items_failed"] == 0
     assert sorted(read_output(tmp_path / "out")) == ["first", "second"]
 
@@ -273,10 +274,10 @@ def test_a_byte_order_mark_before_the_first_jsonl_line_is_accepted(tmp_path):
 def test_a_bad_pushgateway_only_warns(corpus, tmp_path, caplog):
     from cosybatch.run.local import run
 
-    result = run(RunConfig(corpus=corpus, out=tmp_path / "out", pushgateway="not a url", progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", pushgateway="not a url", progress="none"))
     assert result.status == "complete" and result.exit_code == 0
     assert "could not push metrics to not a url" in caplog.text
-    again = run(RunConfig(corpus=corpus, out=tmp_path / "out", pushgateway="not a url", progress="none"))
+    again = run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", pushgateway="not a url", progress="none"))
     assert again.exit_code == 0  # a rerun (an Airflow retry) does not fail either
 
 
@@ -312,7 +313,7 @@ def test_hostile_text(tmp_path):
     ]
     corpus = write_jsonl(tmp_path / "c.jsonl", rows)
     out = tmp_path / "out"
-    result = run(RunConfig(corpus=corpus, out=out, max_chars=10000, progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, max_chars=10000, progress="none"))
     items = read_output(out)
     assert set(items) == {"emoji", "ctrl", "../../etc/passwd", "fine"}
     assert items["emoji"]["meta"]["text"] == "Good news everyone!"

@@ -64,7 +64,7 @@ def test_webdataset_reads_the_shards(tmp_path, texts):
     wds = pytest.importorskip("webdataset")
     corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"a.b/{i}", "text": t} for i, t in enumerate(texts[:3])])
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=out, progress="none"))
     samples = list(wds.WebDataset(str(out / "shard-000000.tar"), shardshuffle=False))
     assert len(samples) == 3
     ids = set()
@@ -78,7 +78,7 @@ def test_webdataset_reads_the_shards(tmp_path, texts):
 def test_rows_without_id_column_use_row_numbers(tmp_path, texts):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts[:3]])
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=out, progress="none"))
     assert set(read_output(out)) == {"0", "1", "2"}
 
 
@@ -98,7 +98,7 @@ def test_voice_column_selects_the_voice_per_row(tmp_path, texts):
     ]
     corpus = write_jsonl(tmp_path / "c.jsonl", rows)
     out = tmp_path / "out"
-    result = run(RunConfig(corpus=corpus, out=out, engine_options={"voice_dir": voices}, progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, engine_options={"voice_dir": voices}, progress="none"))
     items = read_output(out)
     assert set(items) == {"default", "named"}
     assert items["named"]["meta"]["voice"] == "joe-copy"

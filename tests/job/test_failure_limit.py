@@ -16,7 +16,7 @@ def corpus(tmp_path):
 
 
 def test_a_share_limit_states_the_share_and_the_limit(tmp_path, caplog):
-    cfg = RunConfig(corpus=corpus(tmp_path), out=tmp_path / "out", engine="tone", progress="none",
+    cfg = RunConfig.from_options(corpus=corpus(tmp_path), out=tmp_path / "out", engine="tone", progress="none",
                     max_failures="2%")
     result = run(cfg)
     assert (result.status, result.exit_code) == ("too_many_failures", 5)
@@ -25,9 +25,10 @@ def test_a_share_limit_states_the_share_and_the_limit(tmp_path, caplog):
 
 
 def test_a_count_limit_states_it_too(tmp_path, caplog):
-    cfg = RunConfig(corpus=corpus(tmp_path), out=tmp_path / "out", engine="tone", progress="none",
+    cfg = RunConfig.from_options(corpus=corpus(tmp_path), out=tmp_path / "out", engine="tone", progress="none",
                     max_failures="1")
     result = run(cfg)
     assert result.exit_code == 5
     assert "rows failed (" in caplog.text and "more than 1" in caplog.text
-    assert "error" not in json.loads(run(RunConfig(**{**cfg.__dict__, "max_failures": None})).summary_line())
+    assert "error" not in json.loads(run(RunConfig.from_options(**{**cfg.options(),
+                                                                   "max_failures": None})).summary_line())

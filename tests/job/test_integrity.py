@@ -34,7 +34,7 @@ def rows(n: int, prefix: str = "id") -> list[dict]:
 def config(corpus: Path, out: Path, **kw) -> RunConfig:
     """The job in process on the tone engine (tests/plugin): these tests are about the folder, not the
     voice. Batches of one, so that shards close at exactly 3 items (a batch commits whole)."""
-    return RunConfig(corpus=corpus, out=out, progress="none",
+    return RunConfig.from_options(corpus=corpus, out=out, progress="none",
                      **{"engine": "tone", "batch_size": 1, "shard_max_items": 3, **kw})
 
 
@@ -324,7 +324,8 @@ def test_a_fixed_truncated_corpus_is_continued_with_allow_corpus_change(tmp_path
     corpus.write_bytes(gz)  # the fixed file
     refused = cli("run", corpus, "--out", out, "--progress", "none", "--engine", "tone")
     assert refused.returncode == 2 and "--allow-corpus-change" in refused.stderr
-    result = run(RunConfig(corpus=corpus, out=out, progress="none", engine="tone", allow_corpus_change=True))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, progress="none", engine="tone",
+                                        allow_corpus_change=True))
     assert result.status == "complete"
     assert result.stats["items_done"] == len(data) - len(before)
     assert result.stats["corpus_changes"] == {"changed": 0, "removed": 0}

@@ -46,7 +46,7 @@ def test_kill_9_at_random_moments(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         done_per_run.append(committed_items(out) - before)
-    result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, progress="none"))
     assert result.status == "complete"
     assert_complete(out, rows)
     # Committed work is never redone: the runs' commits add up to the corpus exactly.
@@ -67,7 +67,7 @@ def test_signals_end_cleanly_with_exit_4(tmp_path, sig):
     assert proc.returncode == 4, stderr
     assert "Traceback" not in stderr and "rerun the same command to resume" in stderr
     assert json.loads(stdout.splitlines()[-1])["status"] == "interrupted"
-    run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, progress="none"))
     assert_complete(out, rows)
 
 
@@ -106,7 +106,7 @@ def test_max_runtime_ends_resumable(tmp_path):
     assert "interrupted by --max-runtime" in proc.stderr
     assert committed_items(out) < len(rows)
     # The first window is 64 rows: resuming over those finishes whatever the stopped run began.
-    run(RunConfig(corpus=corpus, out=out, progress="none", limit=64))
+    run(RunConfig.from_options(corpus=corpus, out=out, progress="none", limit=64))
     assert_complete(out, rows[:64])
 
 
@@ -157,7 +157,7 @@ def test_real_full_disk_then_more_space(tmp_path):
         assert 0 < committed_items(out) < len(rows)
         read_output(out)  # what was committed and closed is whole
         subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
-        result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+        result = run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, progress="none"))
         assert result.status == "complete"
         assert_complete(out, rows)
     finally:
@@ -172,7 +172,7 @@ def test_a_disk_full_at_start_is_resumable_too(tmp_path):
     try:
         corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
         out = mnt / "out"
-        run(RunConfig(corpus=corpus, out=out, progress="none", limit=1))
+        run(RunConfig.from_options(corpus=corpus, out=out, progress="none", limit=1))
         filler = mnt / "filler"
         # Fill the disk to the last byte. Unbuffered: a buffered writer would keep the block the
         # disk refused and raise again when it is closed.
@@ -187,7 +187,7 @@ def test_a_disk_full_at_start_is_resumable_too(tmp_path):
         assert proc.returncode == 4, proc.stderr
         assert "No space left on device" in proc.stderr and "Traceback" not in proc.stderr
         filler.unlink()
-        assert run(RunConfig(corpus=corpus, out=out, progress="none")).status == "complete"
+        assert run(RunConfig.from_options(corpus=corpus, out=out, progress="none")).status == "complete"
         assert_complete(out, corpus_rows(2))
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -24,7 +24,7 @@ ROWS = [
 
 
 def config(corpus, out, **settings) -> RunConfig:
-    return RunConfig(corpus=corpus, out=out, progress="none", **settings)
+    return RunConfig.from_options(corpus=corpus, out=out, progress="none", **settings)
 
 
 def failures(out) -> dict:

@@ -14,7 +14,8 @@ from cosybatch.run.local import run
 def tone(tmp_path, **kw) -> RunConfig:
     corpus = kw.pop("corpus", None) or write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "One."},
                                                                            {"id": "b", "text": "Two."}])
-    return RunConfig(**{"corpus": corpus, "out": tmp_path / "out", "engine": "tone", "progress": "none", **kw})
+    return RunConfig.from_options(**{"corpus": corpus, "out": tmp_path / "out", "engine": "tone", "progress": "none",
+                                     **kw})
 
 
 def refusal(cfg: RunConfig) -> str:

@@ -29,7 +29,7 @@ def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
     assert before < len(rows)
     assert list(out.glob("shard-*.tar.partial")) or list(out.glob("shard-*.tar"))
 
-    result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, progress="none"))
     assert result.status == "complete"
     # Committed work was not redone: this run did only what the killed one had not committed.
     assert result.stats["items_done"] == len(rows) - before
@@ -55,7 +55,7 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path):
     assert "Traceback" not in stderr
     assert json.loads(stdout.strip().splitlines()[-1])["status"] == "interrupted"
 
-    result = run(RunConfig(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, progress="none"))
     assert result.status == "complete"
     assert sorted(read_output(out)) == sorted(r["id"] for r in rows)
 
@@ -96,12 +96,12 @@ def test_second_writer_is_refused(tmp_path):
         from cosybatch.errors import UsageError
 
         with pytest.raises(UsageError, match="in use by another cosybatch run"):
-            run(RunConfig(corpus=corpus, out=out, progress="none"))
+            run(RunConfig.from_options(corpus=corpus, out=out, progress="none"))
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     # The killed run's lock is gone with its process: the next run takes the folder over.
-    result = run(RunConfig(corpus=corpus, out=out, progress="none", limit=2))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, progress="none", limit=2))
     assert result.status == "complete"
     os.sync()
 

@@ -14,13 +14,13 @@ from cosybatch.run.local import run
 def test_a_resume_reports_this_runs_counts_and_the_job_totals(tmp_path):
     rows = [{"id": f"r{i}", "text": f"Row {i}."} for i in range(12)] + [{"id": "bad", "text": "..."}]
     corpus = write_jsonl(tmp_path / "c.jsonl", rows)
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "out", engine="tone", progress="none")
-    first = run(RunConfig(**{**cfg.__dict__, "limit": 5}))
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "out", engine="tone", progress="none")
+    first = run(RunConfig.from_options(**{**cfg.options(), "limit": 5}))
     assert json.loads(first.summary_line())["items_done"] == 5
 
     second = run(cfg)
     line = json.loads(second.summary_line())
-    stats = json.loads((cfg.out / "stats.json").read_text())
+    stats = json.loads((cfg.output.folder / "stats.json").read_text())
     assert (line["items_done"], line["items_failed"]) == (7, 1) == (stats["items_done"], stats["items_failed"])
     assert line["audio_seconds"] == stats["audio_seconds"]
     assert line["job_totals"] == stats["job_totals"]

@@ -72,16 +72,16 @@ def test_pool_specs_parse_weights_speakers_and_folders(tmp_path):
     with pytest.raises(UsageError, match="not a language code"):
         parse_voice_map("english language=a")
     with pytest.raises(UsageError, match="takes no prompt audio"):
-        RunConfig(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool=str(prompts))
+        RunConfig.from_options(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool=str(prompts))
     with pytest.raises(UsageError, match="hash or balanced"):
-        RunConfig(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool="a", voice_pool_mode="round")
+        RunConfig.from_options(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool="a", voice_pool_mode="round")
     # A pool voice that does not exist stops the run before it starts, as a bad --voice does.
     from cosybatch.errors import CosybatchError
     from cosybatch.run.preflight import check
 
     corpus = short_corpus(tmp_path / "c.jsonl", 1)
     with pytest.raises(CosybatchError, match="nope") as refused:
-        check(RunConfig(corpus=corpus, out=tmp_path / "o", voice_pool=f"default,{tmp_path}/nope.onnx"))
+        check(RunConfig.from_options(corpus=corpus, out=tmp_path / "o", voice_pool=f"default,{tmp_path}/nope.onnx"))
     assert refused.value.exit_code == 2
 
 
@@ -107,13 +107,16 @@ def test_pool_voices_are_the_same_per_id_across_resume_and_shards(tmp_path):
     corpus = short_corpus(tmp_path / "c.jsonl", 6)
     pool = f"{voices}/a.onnx,{voices}/b.onnx:2"
     whole = tmp_path / "whole"
-    assert run(RunConfig(corpus=corpus, out=whole, voice_pool=pool, limit=3, progress="none")).exit_code == 0
-    assert run(RunConfig(corpus=corpus, out=whole, voice_pool=pool, progress="none")).exit_code == 0  # resumes
+    assert run(RunConfig.from_options(corpus=corpus, out=whole, voice_pool=pool, limit=3,
+                                      progress="none")).exit_code == 0
+    # resumes
+    assert run(RunConfig.from_options(corpus=corpus, out=whole, voice_pool=pool, progress="none")).exit_code == 0
     once = voices_of(whole)
     assert sorted(once) == [f"r{i}" for i in range(6)] and set(once.values()) == {"a", "b"}
     sharded = {}
     for i in range(2):
-        run(RunConfig(corpus=corpus, out=tmp_path / "sharded", voice_pool=pool, shard_index=i, shard_count=2,
+        run(RunConfig.from_options(corpus=corpus, out=tmp_path / "sharded", voice_pool=pool, shard_index=i,
+                                   shard_count=2,
                       progress="none"))
         sharded.update(voices_of(tmp_path / "sharded" / f"part-{i:05d}-of-00002"))
     assert sharded == once
@@ -122,7 +125,7 @@ def test_pool_voices_are_the_same_per_id_across_resume_and_shards(tmp_path):
     from cosybatch.run.ray import SynthWorker
 
     (tmp_path / "ray" / ".cosybatch").mkdir(parents=True)
-    actor = SynthWorker(RunConfig(corpus=corpus, out=tmp_path / "ray", voice_pool=pool), "cpu")
+    actor = SynthWorker(RunConfig.from_options(corpus=corpus, out=tmp_path / "ray", voice_pool=pool), "cpu")
     made = actor.process(list(Corpus(corpus))[::-1])["items"]  # in another order
     assert {item["id"]: item["voice"] for item in made} == once
     manifest = pq.read_table(whole / "manifest.parquet").to_pylist()
@@ -131,7 +134,7 @@ def test_pool_voices_are_the_same_per_id_across_resume_and_shards(tmp_path):
     assert fingerprint["voices"]["mode"] == "hash" and fingerprint["voices"]["pool"][1]["weight"] == 2.0
     # Another pool is another job: the folder refuses it.
     with pytest.raises(Exception, match="voices"):
-        run(RunConfig(corpus=corpus, out=whole, voice_pool=f"{voices}/a.onnx", progress="none"))
+        run(RunConfig.from_options(corpus=corpus, out=whole, voice_pool=f"{voices}/a.onnx", progress="none"))
 
 
 def test_balanced_mode_evens_predicted_audio_and_replays_on_resume(tmp_path):
@@ -139,7 +142,8 @@ def test_balanced_mode_evens_predicted_audio_and_replays_on_resume(tmp_path):
     predicted audio (phoneme ids) so far; a resumed run that observes the done rows first assigns
     the rest as the uninterrupted run did."""
     voices = voice_copies(tmp_path / "voices", ("a", "b", "c"))
-    cfg = RunConfig(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool=str(voices), voice_pool_mode="balanced")
+    cfg = RunConfig.from_options(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool=str(voices),
+                                 voice_pool_mode="balanced")
     rows = [Row(i, f"r{i}", SHORT[i % len(SHORT)] * (1 + i % 3)) for i in range(30)]
     engines = EngineSet(cfg, device="cpu")
     whole = [engines.prepare(row)[2] for row in rows]
@@ -159,9 +163,9 @@ def test_a_resumed_balanced_run_gives_the_voices_an_uninterrupted_one_does(tmp_p
     voices = voice_copies(tmp_path / "voices", ("a", "b", "c"))
     corpus = short_corpus(tmp_path / "c.jsonl", 6)
     common = {"corpus": corpus, "voice_pool": str(voices), "voice_pool_mode": "balanced", "progress": "none"}
-    run(RunConfig(out=tmp_path / "fresh", **common))
-    run(RunConfig(out=tmp_path / "resumed", limit=2, **common))
-    run(RunConfig(out=tmp_path / "resumed", **common))
+    run(RunConfig.from_options(out=tmp_path / "fresh", **common))
+    run(RunConfig.from_options(out=tmp_path / "resumed", limit=2, **common))
+    run(RunConfig.from_options(out=tmp_path / "resumed", **common))
     fresh = voices_of(tmp_path / "fresh")
     assert voices_of(tmp_path / "resumed") == fresh and set(fresh.values()) == {"a", "b", "c"}
 
@@ -169,7 +173,8 @@ def test_a_resumed_balanced_run_gives_the_voices_an_uninterrupted_one_does(tmp_p
 def test_ray_run_refuses_a_balanced_pool(tmp_path):
     from cosybatch.run.ray import RayOptions, RayRunner
 
-    cfg = RunConfig(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool="a,b", voice_pool_mode="balanced")
+    cfg = RunConfig.from_options(corpus=tmp_path / "c.txt", out=tmp_path / "o", voice_pool="a,b",
+                                 voice_pool_mode="balanced")
     with pytest.raises(UsageError, match="hash"):
         RayRunner(RayOptions()).check(cfg)
 
@@ -225,7 +230,7 @@ def test_fixed_scales_keep_their_fingerprint_and_ranges_are_checked():
 def test_length_scale_range_from_the_cli_flag_is_recorded_per_row(tmp_path):
     corpus = short_corpus(tmp_path / "c.jsonl", 4)
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, engine_options={"length_scale": "0.8:1.3"}, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=out, engine_options={"length_scale": "0.8:1.3"}, progress="none"))
     metas = [item["meta"] for item in read_output(out).values()]
     assert all(0.8 <= m["prosody"]["length_scale"] <= 1.3 for m in metas)
     assert all(m["settings"]["length_scale"] == [0.8, 1.3] for m in metas)
@@ -290,7 +295,8 @@ def test_a_pool_of_speakers_records_each_rows_speaker(tmp_path):
     path = multi_speaker_voice(tmp_path / "voices")
     corpus = short_corpus(tmp_path / "c.jsonl", 6)
     out = tmp_path / "out"
-    result = run(RunConfig(corpus=corpus, out=out, voice=str(path), voice_pool="#alice,#bob", progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, voice=str(path), voice_pool="#alice,#bob",
+                                        progress="none"))
     assert result.exit_code == 0
     metas = {m["id"]: m for m in (i["meta"] for i in read_output(out).values())}
     assert {m["speaker"] for m in metas.values()} == {"alice", "bob"}
@@ -305,7 +311,8 @@ def test_rows_route_by_language_and_an_unmapped_language_fails_with_the_fix(tmp_
     langs = ["en", "en-GB", "de", None, "EN", "fr", "en", "en"]
     corpus = short_corpus(tmp_path / "c.jsonl", language=langs)
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, voice_map=f"en={voices}/a.onnx|{voices}/b.onnx", progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=out, voice_map=f"en={voices}/a.onnx|{voices}/b.onnx",
+                               progress="none"))
     metas = {m["id"]: m for m in (i["meta"] for i in read_output(out).values())}
     assert sorted(metas) == ["r0", "r1", "r3", "r4", "r6", "r7"]
     assert {metas[k]["voice"] for k in ("r0", "r1", "r4", "r6", "r7")} <= {"a", "b"}
@@ -321,7 +328,7 @@ def test_rows_route_by_language_and_an_unmapped_language_fails_with_the_fix(tmp_
 def test_a_language_the_voice_does_not_speak_fails_without_a_map(tmp_path):
     corpus = short_corpus(tmp_path / "c.jsonl", 2, language=["de", "en-US"])
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=out, progress="none"))
     assert sorted(voices_of(out)) == ["r1"]
     reason = json.loads((out / "failures.jsonl").read_text().splitlines()[0])["reason"]
     assert "'de'" in reason and "speaks 'en'" in reason and "--voice-map de=VOICE" in reason
@@ -348,7 +355,7 @@ def test_a_cosyvoice_pool_of_sft_speakers_and_prompts_with_a_speed_range(cosyvoi
     (tmp_path / "corpus").mkdir()
     corpus = short_corpus(tmp_path / "corpus" / "c.jsonl", 6)
     out = tmp_path / "out"
-    result = run(RunConfig(corpus=corpus, out=out, engine="cosyvoice", voice_pool=f"alice,bob,{prompts}",
+    result = run(RunConfig.from_options(corpus=corpus, out=out, engine="cosyvoice", voice_pool=f"alice,bob,{prompts}",
                            engine_options={"model": str(cosyvoice_dir), "speed": "0.9:1.1"}, progress="none",
                            qc="off"))
     assert result.exit_code == 0
@@ -361,7 +368,7 @@ def test_a_cosyvoice_pool_of_sft_speakers_and_prompts_with_a_speed_range(cosyvoi
         else:
             assert meta["voice"] in ("spk:alice", "spk:bob") and "prompt" not in meta
     with pytest.raises(UsageError, match="without '#'"):
-        RunConfig(corpus=corpus, out=out, engine="cosyvoice", voice_pool="#alice",
+        RunConfig.from_options(corpus=corpus, out=out, engine="cosyvoice", voice_pool="#alice",
                   engine_options={"model": str(cosyvoice_dir)})
 
 
@@ -371,7 +378,8 @@ def test_a_repair_re_records_pool_rows_with_their_voice_and_language(tmp_path):
     voices = voice_copies(tmp_path / "voices")
     corpus = short_corpus(tmp_path / "c.jsonl", 6, language=["en"] * 6)
     out = tmp_path / "out"
-    cfg = RunConfig(corpus=corpus, out=out, voice_pool=f"{voices}/a.onnx,{voices}/b.onnx", shard_max_items=3,
+    cfg = RunConfig.from_options(corpus=corpus, out=out, voice_pool=f"{voices}/a.onnx,{voices}/b.onnx",
+                                 shard_max_items=3,
                     progress="none")
     run(cfg)
     before = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}

@@ -23,7 +23,7 @@ from cosybatch.store.card import MARKER, card_text, size_category, write_card
 def test_the_card_of_a_run_parses_and_says_what_made_it(tmp_path, caplog):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(3))
     out = tmp_path / "out"
-    assert run(RunConfig(corpus=corpus, out=out, progress="none")).status == "complete"
+    assert run(RunConfig.from_options(corpus=corpus, out=out, progress="none")).status == "complete"
     card = DatasetCard.load(out / "README.md")
     data = card.data
     assert data.license == "unknown" and data.language == ["en"]  # the Piper voice declares English
@@ -64,7 +64,7 @@ def test_the_card_of_a_sharded_job_and_its_nemo_export(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"r{i}", "text": f"Row number {i}."} for i in range(8)])
     root = tmp_path / "out"
     for index in range(2):
-        assert run(RunConfig(corpus=corpus, out=root, engine="tone", progress="none", shard_index=index,
+        assert run(RunConfig.from_options(corpus=corpus, out=root, engine="tone", progress="none", shard_index=index,
                              shard_count=2, shard_max_items=2)).status == "complete"
         assert DatasetCard.load(root / f"part-{index:05d}-of-00002" / "README.md").data.tags[0] == "synthetic"
     result = CliRunner().invoke(app, ["merge", str(root)])

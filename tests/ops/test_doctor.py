@@ -172,7 +172,7 @@ def test_check_device_cuda_fails_like_the_run(tmp_path):
 
 
 def cfg_for(tmp_path: Path, **kw) -> RunConfig:
-    return RunConfig(corpus=CORPUS, out=tmp_path / "out", **kw)
+    return RunConfig.from_options(corpus=CORPUS, out=tmp_path / "out", **kw)
 
 
 def test_check_passes_the_device_when_cuda_is_usable(tmp_path, monkeypatch):

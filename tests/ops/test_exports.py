@@ -28,7 +28,8 @@ def test_dataset_formats_load_in_their_libraries(tmp_path):
     rows = corpus_rows(5)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, export=("hf", "nemo", "lhotse"), shard_max_items=2, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=out, export=("hf", "nemo", "lhotse"), shard_max_items=2,
+                               progress="none"))
     truth = {i["meta"]["id"]: i for i in read_output(out).values()}
 
     import datasets
@@ -124,7 +125,8 @@ def test_a_run_exports_the_copying_forms_when_asked(tmp_path):
     """`run --export nemo,lhotse --export-copy` (export_copy = true in a job spec): loose WAV files."""
     corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"r{i}", "text": f"Row {i}."} for i in range(3)])
     out = tmp_path / "out"
-    result = run(RunConfig(corpus=corpus, out=out, engine="tone", export=("nemo", "lhotse"), export_copy=True,
+    result = run(RunConfig.from_options(corpus=corpus, out=out, engine="tone", export=("nemo", "lhotse"),
+                                        export_copy=True,
                            progress="none"))
     assert result.status == "complete"
     assert sorted(p.name for p in (out / "exports/wavs").iterdir()) == ["r0.wav", "r1.wav", "r2.wav"]
@@ -148,7 +150,8 @@ def nemo_members(nemo: Path) -> dict[int, dict[str, bytes]]:
 def hf_export_in(tmp_path: Path) -> dict:
     """out/corpus/exports/hf under tmp_path, as the README's paths expect; the env to run in."""
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(3))
-    result = run(RunConfig(corpus=corpus, out=tmp_path / "out" / "corpus", export=("hf",), progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out" / "corpus", export=("hf",),
+                                        progress="none"))
     assert result.exit_code == 0
     return {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_DATASETS_OFFLINE": "1"}
 
@@ -185,7 +188,7 @@ def test_segment_times_tile_the_clip_and_each_holds_its_piece(tmp_path):
     three = "The kettle clicked off. Where did I put my keys? Good morning, everyone!"
     rows = [{"id": "three", "text": three}, {"id": "one", "text": "That sounds wonderful."}]
     out = tmp_path / "out"
-    result = run(RunConfig(corpus=write_parquet(tmp_path / "c.parquet", rows), out=out, export=("lhotse",),
+    result = run(RunConfig.from_options(corpus=write_parquet(tmp_path / "c.parquet", rows), out=out, export=("lhotse",),
                            sentence_silence=0.3, progress="none"))
     assert result.exit_code == 0
     items = read_output(out)
@@ -233,7 +236,7 @@ def test_exports_carry_the_rows_language_and_pool_speaker(tmp_path):
     rows[0]["language"], rows[1]["language"] = "en", "en-GB"
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, export=("hf", "nemo", "lhotse"), progress="none", qc="off"))
+    run(RunConfig.from_options(corpus=corpus, out=out, export=("hf", "nemo", "lhotse"), progress="none", qc="off"))
     want = {"utt/0": "en", "utt/1": "en-GB", "utt/2": None}
 
     import datasets

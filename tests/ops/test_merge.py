@@ -16,7 +16,7 @@ def test_merge_reports_parts_and_writes_the_totals(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"r{i}", "text": f"Row {i}."} for i in range(9)]
                          + [{"id": "bad", "text": "..."}])
     for index in range(2):
-        cfg = RunConfig(corpus=corpus, out=tmp_path / "out", engine="tone", progress="none",
+        cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "out", engine="tone", progress="none",
                         shard_index=index, shard_count=2)
         assert run(cfg).status == "complete"
     result = merge(tmp_path / "out")

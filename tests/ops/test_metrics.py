@@ -80,7 +80,7 @@ def test_pushgateway_receives_the_final_metrics(tmp_path):
     try:
         corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        run(RunConfig(corpus=corpus, out=tmp_path / "job1", pushgateway=url, progress="none"))
+        run(RunConfig.from_options(corpus=corpus, out=tmp_path / "job1", pushgateway=url, progress="none"))
     finally:
         server.shutdown()
     assert len(received) == 1
@@ -95,7 +95,8 @@ def test_pushgateway_receives_the_final_metrics(tmp_path):
 
 def test_unreachable_pushgateway_does_not_fail_the_job(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(1))
-    result = run(RunConfig(corpus=corpus, out=tmp_path / "o", pushgateway="http://127.0.0.1:9", progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=tmp_path / "o", pushgateway="http://127.0.0.1:9",
+                                        progress="none"))
     assert result.status == "complete"
 
 
@@ -159,7 +160,8 @@ def test_two_sharded_jobs_with_the_same_folder_name_push_to_their_own_groups(tmp
 
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(2))
     for team in ("a", "b"):  # two jobs, both .../english/part-00000-of-00002
-        result = run(RunConfig(corpus=corpus, out=tmp_path / team / "english", shard_index=0, shard_count=2,
+        result = run(RunConfig.from_options(corpus=corpus, out=tmp_path / team / "english", shard_index=0,
+                                            shard_count=2,
                                pushgateway=gateway.url, progress="none"))
         assert result.status == "complete"
     names = [default_job_name(tmp_path / team / "english") for team in ("a", "b")]
@@ -176,16 +178,16 @@ def test_metrics_job_names_the_group_and_last_success_outlives_a_failed_run(tmp_
     rows = [*corpus_rows(2), {"id": "empty", "text": ""}]  # one row that fails
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     prom = tmp_path / "english.prom"
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "out", metrics_file=prom, pushgateway=gateway.url,
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "out", metrics_file=prom, pushgateway=gateway.url,
                     metrics_job="english-nightly", progress="none")
     assert run(cfg).status == "complete"
     textfile = prom.read_text()
     assert all("job" not in s.labels for s in samples(textfile))
     first = value(textfile, "cosybatch_last_success_timestamp_seconds", cosybatch_job="english-nightly")
-    assert first == json.loads((cfg.out / "stats.json").read_text())["last_success_timestamp_seconds"]
+    assert first == json.loads((cfg.output.folder / "stats.json").read_text())["last_success_timestamp_seconds"]
 
     # The next night fails its failure threshold: the job's last success is still the first run's.
-    again = run(RunConfig(**{**cfg.__dict__, "max_failures": "0"}))
+    again = run(RunConfig.from_options(**{**cfg.options(), "max_failures": "0"}))
     assert again.status == "too_many_failures"
     textfile = prom.read_text()
     assert value(textfile, "cosybatch_run_complete") == 0

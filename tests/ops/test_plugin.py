@@ -90,10 +90,10 @@ def test_a_plugin_engine_under_ray_run_matches_run(tmp_path):
     from cosybatch.run.ray import RayOptions, ray_run
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"t{i}", "text": t} for i, t in enumerate(TEXTS)])
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "local", engine="tone", engine_options={"base_hz": 250},
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "local", engine="tone", engine_options={"base_hz": 250},
                     progress="none")
     local = run(cfg)
-    remote = ray_run(RunConfig(**{**cfg.__dict__, "out": tmp_path / "ray"}), RayOptions(actors=1))
+    remote = ray_run(RunConfig.from_options(**{**cfg.options(), "out": tmp_path / "ray"}), RayOptions(actors=1))
     assert remote.stats["batch_sizes"] == local.stats["batch_sizes"]
     a, b = read_output(tmp_path / "local"), read_output(tmp_path / "ray")
     assert sorted(a) == sorted(b) and all((a[k]["audio"] == b[k]["audio"]).all() for k in a)

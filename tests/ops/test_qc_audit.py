@@ -24,8 +24,8 @@ def test_an_old_folder_is_scored_without_touching_its_shards(tmp_path):
     rows = corpus_rows(6)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     measured, plain = tmp_path / "measured", tmp_path / "plain"
-    run(RunConfig(corpus=corpus, out=measured, progress="none"))
-    run(RunConfig(corpus=corpus, out=plain, progress="none", qc="off"))  # as a folder from before the gate
+    run(RunConfig.from_options(corpus=corpus, out=measured, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=plain, progress="none", qc="off"))  # as a folder from before the gate
     assert "qc" not in next(iter(read_output(plain).values()))["meta"]
     before = digests(plain)
     assert not (plain / "report.html").exists()  # --qc off writes no page
@@ -51,7 +51,7 @@ def test_a_sharded_jobs_root_is_scored_whole_from_the_command_line(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     root = tmp_path / "root"
     for i in range(2):
-        run(RunConfig(corpus=corpus, out=root, shard_index=i, shard_count=2, progress="none"))
+        run(RunConfig.from_options(corpus=corpus, out=root, shard_index=i, shard_count=2, progress="none"))
     proc = cli("qc", root, "--json", "--no-report")
     assert proc.returncode == 0, proc.stderr
     assert last_json(proc)["clips"] == 6

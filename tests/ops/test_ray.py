@@ -31,7 +31,7 @@ def rows(n: int) -> list[dict]:
 def test_hundred_rows_every_id_once_and_same_bytes_as_run(tmp_path):
     data = rows(100)
     corpus = write_parquet(tmp_path / "c.parquet", data)
-    result = ray_run(RunConfig(corpus=corpus, out=tmp_path / "ray", progress="none"),
+    result = ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "ray", progress="none"),
                      RayOptions(actors=2, rows_per_task=16))
     assert result.status == "complete" and result.stats["items_done"] == 100
     items = read_output(tmp_path / "ray")
@@ -55,7 +55,7 @@ def test_hundred_rows_every_id_once_and_same_bytes_as_run(tmp_path):
     assert sum(1 for _ in wds.WebDataset(shards, shardshuffle=False)) == 100
 
     # The same rows through `cosybatch run`: per-item seeded noise makes the audio identical.
-    run(RunConfig(corpus=corpus, out=tmp_path / "local", limit=12, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=tmp_path / "local", limit=12, progress="none"))
     local = read_output(tmp_path / "local")
     for item_id, item in local.items():
         assert (items[item_id]["audio"] == item["audio"]).all()
@@ -80,7 +80,8 @@ def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
     finished_before = len(read_output(out))
     assert 0 < finished_before < 100
 
-    result = ray_run(RunConfig(corpus=corpus, out=out, progress="none"), RayOptions(actors=2, rows_per_task=8))
+    result = ray_run(RunConfig.from_options(corpus=corpus, out=out, progress="none"), RayOptions(actors=2,
+                                                                                                 rows_per_task=8))
     assert result.status == "complete"
     assert result.stats["items_done"] == 100 - finished_before  # finished shards were not redone
     items = read_output(out)  # raises if any id is in two shards
@@ -92,15 +93,15 @@ def test_a_retried_chunk_rewrites_the_same_shard(tmp_path):
     from cosybatch.store.checkpoint import OutputDir
 
     corpus = write_parquet(tmp_path / "c.parquet", rows(3))
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")
-    OutputDir(cfg.out).state.mkdir(parents=True)
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "out", progress="none")
+    OutputDir(cfg.output.folder).state.mkdir(parents=True)
     worker = SynthWorker(cfg, "cpu")
     chunk = [Row(i, r["id"], r["text"]) for i, r in enumerate(rows(3))]
     first = worker.process(chunk)
     second = worker.process(list(reversed(chunk)))
     assert first["items"][0]["shard"] == second["items"][0]["shard"]
-    assert len(list(cfg.out.glob("shard-*.tar"))) == 1
-    assert sorted(read_output(cfg.out)) == ["r0", "r1", "r2"]
+    assert len(list(cfg.output.folder.glob("shard-*.tar"))) == 1
+    assert sorted(read_output(cfg.output.folder)) == ["r0", "r1", "r2"]
 
 
 def test_options_ray_run_cannot_honour_are_refused(tmp_path):
@@ -108,7 +109,8 @@ def test_options_ray_run_cannot_honour_are_refused(tmp_path):
 
     corpus = write_parquet(tmp_path / "c.parquet", rows(1))
     with pytest.raises(UsageError, match="ray-run does not support metrics_file"):
-        ray_run(RunConfig(corpus=corpus, out=tmp_path / "o", metrics_file=tmp_path / "m.prom"), RayOptions())
+        ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "o", metrics_file=tmp_path / "m.prom"),
+                RayOptions())
 
 
 def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
@@ -118,7 +120,7 @@ def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
     lines = [{"id": "a", "text": "Åse went home."}, {"id": "b", "text": "One\u2028two."}, {"text": "x", "id": "c"}]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
-    result = ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", progress="none"), RayOptions(actors=1))
+    result = ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", progress="none"), RayOptions(actors=1))
     items = read_output(tmp_path / "out")
     assert set(items) == {"a", "b", "c"} and result.stats["items_failed"] == 0
     assert [items[k]["meta"]["row"] for k in "abc"] == [0, 1, 2]
@@ -132,7 +134,7 @@ def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_d
     texts = ["Hello there.", "A somewhat longer sentence for the model.", "Yes.", "Good morning to you all.",
              "The rain stopped at noon.", "No.", "Bright lights, big city.", "Thanks a lot."]
     corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"c{i}", "text": t} for i, t in enumerate(texts)])
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "local", engine="cosyvoice", device="cpu", batch_size=3,
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "local", engine="cosyvoice", device="cpu", batch_size=3,
                     engine_options={"model": cosyvoice_dir, "speaker": "alice"}, normalize=False, progress="none")
     local = run(cfg)
 
@@ -140,7 +142,8 @@ def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_d
         raise AssertionError("the driver opened an engine")
 
     monkeypatch.setattr(executor, "open_engine", refuse)  # actors are other processes: unaffected
-    remote = ray_run(RunConfig(**{**cfg.__dict__, "out": tmp_path / "ray"}), RayOptions(actors=1, rows_per_task=64))
+    remote = ray_run(RunConfig.from_options(**{**cfg.options(), "out": tmp_path / "ray"}), RayOptions(actors=1,
+                                                                                                      rows_per_task=64))
     assert remote.status == local.status == "complete"
     assert remote.stats["batch_sizes"] == local.stats["batch_sizes"] and max(map(int, local.stats["batch_sizes"])) == 3
     assert (remote.stats["batch_size_limit"], remote.stats["batch_budget"]) == \
@@ -156,7 +159,8 @@ def test_a_bad_voice_is_a_usage_error_before_the_cluster_starts(tmp_path):
 
     corpus = write_parquet(tmp_path / "c.parquet", rows(1))
     with pytest.raises(VoiceError, match="no-such-voice"):
-        ray_run(RunConfig(corpus=corpus, out=tmp_path / "out", voice="no-such-voice"), RayOptions(actors=1))
+        ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", voice="no-such-voice"),
+                RayOptions(actors=1))
     assert not ray.is_initialized()
 
 
@@ -211,11 +215,11 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
     monkeypatch.setattr(job_module, "Progress", Progress)
     data = [{"id": f"r{i}", "text": f"Row {i} is here."} for i in range(24)]
     corpus = write_parquet(tmp_path / "c.parquet", data)
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "out", progress="none")
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "out", progress="none")
     try:
         first = ray_run(cfg, RayOptions(actors=1, rows_per_task=4))
         assert (first.status, first.exit_code) == ("interrupted", 4)
-        assert 0 < len(read_output(cfg.out)) < len(data)
+        assert 0 < len(read_output(cfg.output.folder)) < len(data)
 
         when["point"] = "all finished"
         second = ray_run(cfg, RayOptions(actors=1, rows_per_task=4))
@@ -223,8 +227,8 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
         assert (second.status, second.exit_code) == ("complete", 0)
     finally:
         logging.getLogger("cosybatch").removeHandler(seen)
-    assert sorted(read_output(cfg.out)) == sorted(r["id"] for r in data)
-    assert json.loads((cfg.out / "stats.json").read_text())["status"] == "complete"
+    assert sorted(read_output(cfg.output.folder)) == sorted(r["id"] for r in data)
+    assert json.loads((cfg.output.folder / "stats.json").read_text())["status"] == "complete"
     handler = signal.getsignal(signal.SIGTERM)  # Ray's own, or the default: not the finished run's
     assert not getattr(handler, "__qualname__", "").startswith("ray_run.")
 
@@ -234,7 +238,7 @@ def test_the_quality_gate_runs_in_the_actors_as_in_run(tmp_path):
     counts summed by the driver, the QC columns in the manifest."""
     data = rows(6)
     corpus = write_parquet(tmp_path / "c.parquet", data)
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "gated", progress="none", qc="gate", qc_retries=1,
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "gated", progress="none", qc="gate", qc_retries=1,
                     qc_limits={"min_speech_share": 0.999})  # no clip is that full of speech
     gated = ray_run(cfg, RayOptions(actors=2, rows_per_task=3))
     assert (gated.stats["items_done"], gated.stats["items_failed"]) == (0, 6)

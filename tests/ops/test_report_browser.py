@@ -90,7 +90,8 @@ def test_a_runs_own_page_in_chromium(tmp_path):
     browser = chromium()
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(6))
     out = tmp_path / "out"
-    assert run(RunConfig(corpus=corpus, out=out, progress="none", qc="asr", qc_asr_rows="all")).status == "complete"
+    assert run(RunConfig.from_options(corpus=corpus, out=out, progress="none", qc="asr",
+                                      qc_asr_rows="all")).status == "complete"
     manifest = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
     done = subprocess.run([browser, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", (out / "report.html").as_uri()],
                           capture_output=True, text=True, timeout=120)

@@ -54,7 +54,7 @@ def test_three_workers_cover_every_id_once_and_merge(tmp_path):
 @pytest.mark.slow
 def test_merge_refuses_missing_parts(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", corpus_rows(3))
-    run(RunConfig(corpus=corpus, out=tmp_path / "out", shard_index=0, shard_count=2, progress="none"))
+    run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", shard_index=0, shard_count=2, progress="none"))
     proc = cli("merge", str(tmp_path / "out"))
     assert proc.returncode == 2 and "parts [1] of 2 are missing" in proc.stderr
     status = json.loads(cli("status", str(tmp_path / "out"), "--json").stdout)
@@ -76,7 +76,8 @@ def test_a_finished_part_reports_its_real_total(tmp_path):
     corpus = write_parquet(tmp_path / "c.parquet", [{"id": i, "text": lines[n]} for n, i in enumerate(part0 + part1)])
     out = tmp_path / "out"
     for index in (0, 1):  # 4 rows over 2 workers: each was estimated at 2
-        assert run(RunConfig(corpus=corpus, out=out, shard_index=index, shard_count=2, progress="none")).exit_code == 0
+        assert run(RunConfig.from_options(corpus=corpus, out=out, shard_index=index, shard_count=2,
+                                          progress="none")).exit_code == 0
     status = json.loads(cli("status", str(out), "--json").stdout)
     assert [(p["done"], p["total"], p["total_is_estimate"]) for p in status["parts"]] == [(3, 3, False), (1, 1, False)]
     assert (status["status"], status["done"], status["total"], status["total_is_estimate"]) == ("complete", 4, 4, False)

@@ -60,5 +60,5 @@ def test_clear_errors(tmp_path):
 def test_a_csv_run_end_to_end(tmp_path):
     path = tmp_path / "c.csv"
     path.write_text("id,text\nx,One.\ny,Two.\n")
-    result = run(RunConfig(corpus=path, out=tmp_path / "out", engine="tone", progress="none"))
+    result = run(RunConfig.from_options(corpus=path, out=tmp_path / "out", engine="tone", progress="none"))
     assert result.status == "complete" and sorted(read_output(tmp_path / "out")) == ["x", "y"]

@@ -187,12 +187,13 @@ def test_settings_are_checked_with_the_flag_named(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "a", "text": "x"}\n')
     with pytest.raises(UsageError, match="--qc must be one of"):
-        RunConfig(corpus=corpus, out=tmp_path / "o", qc="strict")
+        RunConfig.from_options(corpus=corpus, out=tmp_path / "o", qc="strict")
     with pytest.raises(UsageError, match=r"unknown threshold.*max_silence"):
-        RunConfig(corpus=corpus, out=tmp_path / "o", qc_limits={"max_silence": 1})
+        RunConfig.from_options(corpus=corpus, out=tmp_path / "o", qc_limits={"max_silence": 1})
     with pytest.raises(UsageError, match="max_gap_s = 'long' should be a number"):
-        RunConfig(corpus=corpus, out=tmp_path / "o", qc_limits={"max_gap_s": "long"})
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "o", qc="gate", qc_limits={"max_gap_s": 2.5}, qc_max_cer=0.1)
+        RunConfig.from_options(corpus=corpus, out=tmp_path / "o", qc_limits={"max_gap_s": "long"})
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "o", qc="gate", qc_limits={"max_gap_s": 2.5},
+                                 qc_max_cer=0.1)
     settings = cfg.qc_settings()
     assert settings.limits.max_gap_s == 2.5 and settings.limits.max_cer == 0.1
     assert settings.fingerprint(None)["max_gap_s"] == 2.5

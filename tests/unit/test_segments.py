@@ -10,7 +10,7 @@ from cosybatch.run.executor import assemble_audio, segment_times
 
 
 def test_segments_tile_the_assembled_clip():
-    cfg = RunConfig(corpus="c.txt", out="out", sentence_silence=0.25, normalize=False)
+    cfg = RunConfig.from_options(corpus="c.txt", out="out", sentence_silence=0.25, normalize=False)
     parts = [np.full(n, 0.5, dtype=np.float32) * np.sign(np.arange(n) % 2 - 0.5) for n in (1000, 333, 4001)]
     audio = assemble_audio(parts, 16000, cfg)
     segments = segment_times(parts, ["a", None, "c"], 16000, cfg)

@@ -118,7 +118,8 @@ def test_the_yamls_sampling_settings_are_used_and_recorded(cosyvoice_dir, corpus
     from cosybatch.config import RunConfig
     from cosybatch.run.forecast import plan_only
 
-    cfg = RunConfig(corpus=corpus, out=tmp_path / "again", engine="cosyvoice", engine_options={"model": str(model)},
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "again", engine="cosyvoice",
+                                 engine_options={"model": str(model)},
                     device="cpu", limit=1, progress="none")
     plan = plan_only(cfg)["plan"]
     stats = json.loads((out / "stats.json").read_text())

@@ -111,7 +111,7 @@ def engine(family, corpus):
 
 
 def job(family: Family, corpus: Path, out: Path, **settings) -> RunConfig:
-    return RunConfig(corpus=corpus, out=out, engine="cosyvoice", device="cpu", progress="none",
+    return RunConfig.from_options(corpus=corpus, out=out, engine="cosyvoice", device="cpu", progress="none",
                      engine_options={"model": family.model}, **settings)
 
 

@@ -64,7 +64,7 @@ def test_each_request_says_why_it_stopped(cosyvoice_dir, endless):
 
 
 def job(model: Path, corpus: Path, out: Path, **settings) -> RunConfig:
-    return RunConfig(corpus=corpus, out=out, engine="cosyvoice", device="cpu", progress="none",
+    return RunConfig.from_options(corpus=corpus, out=out, engine="cosyvoice", device="cpu", progress="none",
                      engine_options={"model": model}, **settings)
 
 

@@ -24,7 +24,7 @@ def run_rows(model, tmp_path, rows, **engine_options) -> tuple[dict, dict]:
     sf.write(tmp_path / "prompt.wav", (0.3 * np.sin(2 * np.pi * (180 + 60 * t) * t)).astype("float32"), 16000)
     corpus = write_jsonl(tmp_path / "c.jsonl", rows)
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, engine="cosyvoice", device="cpu", progress="none",
+    run(RunConfig.from_options(corpus=corpus, out=out, engine="cosyvoice", device="cpu", progress="none",
                   engine_options={"model": str(model), **engine_options}))
     failures = {json.loads(x)["id"]: json.loads(x)["reason"] for x in (out / "failures.jsonl").read_text().splitlines()}
     return read_output(out), failures

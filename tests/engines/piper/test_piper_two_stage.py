@@ -181,7 +181,7 @@ def test_run_reports_two_stage_padding_in_stats(tmp_path, texts):
     rows = [{"id": f"row-{i}", "text": t} for i, t in enumerate(texts * 2)]
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
-    run(RunConfig(corpus=corpus, out=out, progress="none", device="cpu", batch_size=32, workers=1))
+    run(RunConfig.from_options(corpus=corpus, out=out, progress="none", device="cpu", batch_size=32, workers=1))
     stats = json.loads((out / "stats.json").read_text())
     assert stats["items_done"] == len(rows) and stats["items_failed"] == 0
     assert stats["padding_ratio"] <= 0.05
