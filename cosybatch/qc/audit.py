@@ -15,7 +15,7 @@ import tarfile
 from pathlib import Path
 from typing import Optional
 
-from ..store.checkpoint import MANIFEST_FILE, STATE_DIR
+from ..store.checkpoint import MANIFEST_FILE, STATE_DIR, atomic_file
 from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
 from ..store.items import qc_columns
@@ -81,9 +81,8 @@ def _write_table(path: Path, rows: list[dict]) -> None:
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.string())})
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    with atomic_file(path) as f:  # never through a link planted at .qc.parquet.tmp
+        pq.write_table(table, f)
 
 
 def _summary(rows: list[dict], settings: QCSettings) -> dict:

@@ -104,7 +104,7 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .checkpoint import FAILURES_FILE, MANIFEST_FILE, STATS_FILE, json_bytes, write_atomic
+    from .checkpoint import FAILURES_FILE, MANIFEST_FILE, STATS_FILE, atomic_file, json_bytes, write_atomic
 
     root = Path(root)
     parts = sorted(root.glob("part-*-of-*"))
@@ -141,9 +141,8 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
     if len(ids) != len(set(ids)):
         raise CorpusError(f"{root}: the parts share ids; were they run with different --shard counts?")
     if table is not None:
-        tmp = root / f".{MANIFEST_FILE}.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, root / MANIFEST_FILE)
+        with atomic_file(root / MANIFEST_FILE) as f:
+            pq.write_table(table, f)
     else:
         (root / MANIFEST_FILE).unlink(missing_ok=True)  # an older merge's list would name parts left out now
     write_atomic(root / FAILURES_FILE, "".join(line + "\n" for line in failures).encode())
