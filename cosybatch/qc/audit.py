@@ -38,12 +38,12 @@ def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, rep
     from .asr import error_rates
 
     root = Path(root)
-    paths = shards(root)
+    paths = shards(root, "score")  # one job's parts, as merge requires, each shard with its journal's items
     history = PaceHistory()
     rows: list[dict] = []
-    for shard in paths:
+    for shard, expected in paths:
         pending: list[tuple[dict, Verdict, object, int]] = []
-        for key, meta, wav in iter_shard(shard):
+        for key, meta, wav in iter_shard(shard, expected):  # the journal's key, id and checksum, checked
             audio, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
             signals = measure(audio, rate, meta["text"], raw=[audio]).as_dict()
             made = meta.get("qc") if isinstance(meta.get("qc"), dict) else {}
