@@ -15,7 +15,7 @@ import tarfile
 from pathlib import Path
 from typing import Optional
 
-from ..store.checkpoint import MANIFEST_FILE, STATE_DIR
+from ..store.checkpoint import MANIFEST_FILE, STATE_DIR, atomic_file
 from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
 from ..store.items import qc_columns
@@ -38,12 +38,12 @@ def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, rep
     from .asr import error_rates
 
     root = Path(root)
-    paths = shards(root)
+    paths = shards(root, "score")  # one job's parts, as merge requires, each shard with its journal's items
     history = PaceHistory()
     rows: list[dict] = []
-    for shard in paths:
+    for shard, expected in paths:
         pending: list[tuple[dict, Verdict, object, int]] = []
-        for key, meta, wav in iter_shard(shard):
+        for key, meta, wav in iter_shard(shard, expected):  # the journal's key, id and checksum, checked
             audio, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
             signals = measure(audio, rate, meta["text"], raw=[audio]).as_dict()
             made = meta.get("qc") if isinstance(meta.get("qc"), dict) else {}
@@ -81,9 +81,8 @@ def _write_table(path: Path, rows: list[dict]) -> None:
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.string())})
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    with atomic_file(path) as f:  # never through a link planted at .qc.parquet.tmp
+        pq.write_table(table, f)
 
 
 def _summary(rows: list[dict], settings: QCSettings) -> dict:

@@ -14,20 +14,22 @@ each shard must be.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import re
+import stat
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
 
 from ..cache import file_fingerprint, file_sha256  # noqa: F401  (re-exported: fingerprints of the job)
-from ..errors import ResumeMismatchError, UsageError
+from ..errors import OutputError, ResumeMismatchError, UsageError
 from .items import QC_COLUMNS
 from .shards import fsync_dir, shard_name
 
@@ -57,13 +59,43 @@ def keyed_by_row(failure: dict) -> bool:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary name, fsync, rename: readers see the old file or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A new file written at `.NAME.tmp` beside `path`, fsynced and renamed over `path` when the
+    block ends without an error (the temporary file is removed when it raises).
+
+    Nothing found in the folder can redirect the write: whatever lies at the temporary name (a
+    file left by a killed write, a symbolic link planted there) is unlinked, never opened, and the
+    file is created with O_CREAT|O_EXCL|O_NOFOLLOW, so it is always a new regular file inside the
+    folder. The rename replaces the final name itself, a link there included, never its target."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        os.unlink(tmp)  # a link is removed, not followed; a stale file of a killed write goes too
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        raise OutputError(f"{tmp} is a folder where cosybatch writes its temporary file for {path.name}; "
+                          "remove it, then rerun") from None
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
+    if not stat.S_ISREG(os.lstat(path).st_mode):  # a rename cannot leave one, unless the folder changed under us
+        raise OutputError(f"{path} is not a regular file after it was written; something else writes this "
+                          "folder: stop it, then rerun")
 
 
 def jsonl_bytes(records) -> bytes:
@@ -445,9 +477,8 @@ def write_manifest_table(root: Path, records) -> int:
             cols[name].append(record.get(name))
     schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in columns])
     table = pa.table(cols, schema=schema)
-    tmp = root / f".{MANIFEST_FILE}.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, root / MANIFEST_FILE)
+    with atomic_file(root / MANIFEST_FILE) as f:
+        pq.write_table(table, f)
     return table.num_rows
 
 

@@ -104,17 +104,13 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .checkpoint import FAILURES_FILE, MANIFEST_FILE, STATS_FILE, json_bytes, write_atomic
+    from .checkpoint import FAILURES_FILE, MANIFEST_FILE, STATS_FILE, atomic_file, json_bytes, write_atomic
 
     root = Path(root)
     parts = sorted(root.glob("part-*-of-*"))
     if not parts:
         raise UsageError(f"{root} has no part-*-of-* folders to merge; merge is for jobs run with --shard")
-    counts = {int(p.name.split("-of-")[1]) for p in parts}
-    if len(counts) != 1:
-        raise UsageError(f"{root} mixes jobs split into different worker counts: {sorted(counts)}")
-    count = counts.pop()
-    check_same_job(root, parts, count)
+    count = check_one_job(root, parts, "merge")
     problems = []
     present = {int(p.name.split("-")[1]) for p in parts}
     missing = sorted(set(range(count)) - present)
@@ -141,9 +137,8 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
     if len(ids) != len(set(ids)):
         raise CorpusError(f"{root}: the parts share ids; were they run with different --shard counts?")
     if table is not None:
-        tmp = root / f".{MANIFEST_FILE}.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, root / MANIFEST_FILE)
+        with atomic_file(root / MANIFEST_FILE) as f:
+            pq.write_table(table, f)
     else:
         (root / MANIFEST_FILE).unlink(missing_ok=True)  # an older merge's list would name parts left out now
     write_atomic(root / FAILURES_FILE, "".join(line + "\n" for line in failures).encode())
@@ -154,7 +149,35 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
     return result
 
 
-def check_same_job(root: Path, parts: list[Path], count: int) -> None:
+def job_folders(root: Path, verb: str) -> list[Path]:
+    """`output_dirs(root)`, after the check `merge` makes: a root's parts must be the workers of
+    one job (one worker count, one corpus and settings). `export`, `qc` and `status` read a root
+    through this, so none of them presents what `merge` refuses; `verb` says which in the refusal
+    ("cannot export ROOT: ...")."""
+    root = Path(root)
+    folders = output_dirs(root)
+    if folders and folders[0] != root:
+        check_one_job(root, sorted(root.glob("part-*-of-*")), verb)
+    return folders
+
+
+def check_one_job(root: Path, parts: list[Path], verb: str) -> int:
+    """The worker count N shared by all `parts` (part-I-of-N folders of `root`), after refusing
+    parts of different counts or of different jobs (`check_same_job`)."""
+    counts: dict[int, list[str]] = {}
+    for part in parts:
+        counts.setdefault(int(part.name.split("-of-")[1]), []).append(part.name)
+    if len(counts) != 1:
+        listing = "; ".join(f"{n} workers: {', '.join(names)}" for n, names in sorted(counts.items()))
+        raise UsageError(f"cannot {verb} {root}: it mixes jobs split into different worker counts: "
+                         f"{sorted(counts)} ({listing}). A root holds the part-*-of-N folders of one job: "
+                         "move the other job's parts to a root of their own, then try again.")
+    count = next(iter(counts))
+    check_same_job(root, parts, count, verb)
+    return count
+
+
+def check_same_job(root: Path, parts: list[Path], count: int, verb: str = "merge") -> None:
     """Refuse parts that are not workers of one job: another corpus, other settings or engine,
     or a recorded shard that is not the folder's I/N. --partial does not lift this: a merge of
     two jobs is never a dataset."""
@@ -186,9 +209,9 @@ def check_same_job(root: Path, parts: list[Path], count: int) -> None:
                                                                                           f", {part.name} has ", 1)
                                      for d in diffs) + ")")
     if found:
-        raise UsageError(f"cannot merge {root}: its parts are not the workers of one job: " + "; ".join(found)
+        raise UsageError(f"cannot {verb} {root}: its parts are not the workers of one job: " + "; ".join(found)
                          + ". Rerun those parts with the job's corpus and settings (into their own folders), "
-                         "or merge each job's parts on their own.")
+                         f"or {verb} each job's parts on their own (one root per job).")
 
 
 def unmergeable(part: Path) -> Optional[str]:

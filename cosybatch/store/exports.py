@@ -33,48 +33,138 @@ are shared by NeMo and Lhotse and each is written whole, by rename, on its own.)
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import shlex
 import shutil
+import stat
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Optional
 
 from ..errors import DamagedOutputError, UsageError
-from .checkpoint import RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
-from .distributed import output_dirs
+from .checkpoint import MANIFEST_FILE, RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
+from .distributed import job_folders
 from .items import QC_COLUMNS, qc_columns
+from .shards import item_key, wav_checksum
 
 FORMATS = ("hf", "nemo", "lhotse")
 COPYING = ("nemo", "lhotse")  # the formats that point into the shards, or copy the audio out with copy=True
 
 
-def shards(root: Path) -> list[Path]:
-    folders = output_dirs(root)
+Expected = Optional[dict[str, dict]]  # key -> the journal's (or manifest's) item record, for one shard
+
+
+def shards(root: Path, verb: str = "export") -> list[tuple[Path, Expected]]:
+    """Every finished shard of the job under `root` (parts in order, then shards) with the items
+    its journal says it holds, by key. A root's parts must be one job's, as `merge` requires. A
+    shard the journal does not know, or a journal shard with items that is not there, is damage."""
+    folders = job_folders(root, verb)
     if not folders:
-        raise UsageError(f"{root} holds no cosybatch job to export (run the job first)")
-    return [s for d in folders for s in sorted(d.glob("shard-*.tar"))]
+        raise UsageError(f"{root} holds no cosybatch job to {verb} (run the job first)")
+    found = []
+    for folder in folders:
+        expected = expected_items(folder)
+        on_disk = sorted(folder.glob("shard-*.tar"))
+        if expected is not None:
+            for path in on_disk:
+                if path.name not in expected:
+                    raise _not_the_journals(path, "its journal never wrote this shard")
+            for name in sorted(set(expected) - {p.name for p in on_disk}):
+                if expected[name]:
+                    raise _not_the_journals(folder / name, f"it is missing; its journal has {len(expected[name])} "
+                                                           "items in it")
+        found += [(path, expected.get(path.name) if expected is not None else None) for path in on_disk]
+    return found
 
 
-def iter_shard(path: Path) -> Iterator[tuple[str, dict, bytes]]:
-    """(key, metadata, wav bytes) for every item of one tar shard, in order. A shard that cannot
-    be read to its end raises DamagedOutputError naming it."""
+def expected_items(folder: Path) -> Optional[dict[str, dict[str, dict]]]:
+    """shard name -> key -> item record: what the folder's journal committed (a ray-run folder,
+    which keeps no journal: its manifest), or None when there is neither. Keys for files written
+    out of a shard come from here, never from a tar member's name."""
+    found: dict[str, dict[str, dict]] = {}
+    if (folder / STATE_DIR / RAY_FAILURES_DIR).is_dir():
+        manifest = folder / MANIFEST_FILE
+        if not manifest.is_file():
+            return None
+        import pyarrow.parquet as pq
+
+        records = pq.read_table(manifest).to_pylist()
+    else:
+        records = OutputDir(folder).live_items()
+    for record in records:
+        found.setdefault(record["shard"], {})[record["key"]] = record
+    return found
+
+
+class _ShardCheck:
+    """What `run` checks before it keeps a member, for a reader of one shard: each member is a
+    KEY.wav or KEY.json of an item the journal put in this shard (the key is the journal's, and
+    so never a path), its KEY.json names the journal's id, its audio matches the recorded
+    wav_sha256, and every item the journal put there is found, once."""
+
+    def __init__(self, path: Path, expected: Expected):
+        self.path, self.expected, self.seen = path, expected, set()
+
+    def member(self, member: tarfile.TarInfo) -> tuple[str, str]:
+        key, _, ext = member.name.partition(".")
+        if ext not in ("wav", "json") or not member.isfile():
+            raise _not_the_journals(self.path, f"member {member.name!r} is not an item's KEY.wav or KEY.json")
+        if self.expected is not None and key not in self.expected:
+            raise _not_the_journals(self.path, f"member {member.name!r} is not an item its journal wrote there")
+        return key, ext
+
+    def item(self, key: str, meta, digest: str) -> dict:
+        if not isinstance(meta, dict) or not isinstance(meta.get("id"), str):
+            raise _not_the_journals(self.path, f"{key}.json is not a cosybatch item's")
+        want = self.expected[key] if self.expected is not None else {"id": meta["id"],
+                                                                     "wav_sha256": meta.get("wav_sha256")}
+        if meta["id"] != want["id"] or item_key(meta["id"]) != key:
+            raise _not_the_journals(self.path, f"{key}.json names id {meta['id']!r}; the journal wrote "
+                                               f"{want['id']!r} there (another job's item, or a renamed member)")
+        checksum = want.get("wav_sha256")
+        if meta.get("wav_sha256") != checksum or (checksum is not None and digest != checksum):
+            raise _not_the_journals(self.path, f"{key}.wav does not match the wav_sha256 its journal recorded: "
+                                               "its audio changed after it was written",
+                                    f"Delete {self.path.name} and rerun the job's `cosybatch run` command (same "
+                                    "arguments) to make its items again")
+        if key in self.seen:
+            raise _not_the_journals(self.path, f"item {key} appears twice")
+        self.seen.add(key)
+        return meta
+
+    def end(self) -> None:
+        missing = sorted(set(self.expected or ()) - self.seen)
+        if missing:
+            raise _not_the_journals(self.path, f"{len(missing)} items its journal wrote there are not in it "
+                                               f"({', '.join(missing[:3])})")
+
+
+def iter_shard(path: Path, expected: Expected = None) -> Iterator[tuple[str, dict, bytes]]:
+    """(key, metadata, wav bytes) for every item of one tar shard, in order, each checked against
+    `expected` (the journal's items for this shard; without it, against the item's own KEY.json:
+    its key must be its id's and its audio must match its wav_sha256). A shard that cannot be read
+    to its end, or holds anything else, raises DamagedOutputError naming it."""
     pending: dict[str, dict] = {}
+    check = _ShardCheck(path, expected)
     try:
         with tarfile.open(path) as tar:
             for member in tar:
-                key, _, ext = member.name.partition(".")
+                key, ext = check.member(member)
                 data = tar.extractfile(member).read()
                 entry = pending.setdefault(key, {})
                 entry[ext] = data
                 if "wav" in entry and "json" in entry:
                     del pending[key]
-                    yield key, json.loads(entry["json"]), entry["wav"]
+                    meta = check.item(key, json.loads(entry["json"]), wav_checksum(entry["wav"]))
+                    yield key, meta, entry["wav"]
     except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
         raise _damaged(path, exc) from None
     if pending:
         raise _unpaired(path, len(pending))
+    check.end()
 
 
 def _damaged(path: Path, exc: Exception) -> DamagedOutputError:
@@ -83,34 +173,49 @@ def _damaged(path: Path, exc: Exception) -> DamagedOutputError:
                               "to repair the folder, then export again")
 
 
+REPAIR = ("Rerun the job's `cosybatch run` command (same arguments): it repairs the folder, makes those items "
+          "again and moves foreign bytes to .cosybatch/quarantine/")
+
+
+def _not_the_journals(path: Path, why: str, fix: str = REPAIR) -> DamagedOutputError:
+    return DamagedOutputError(f"{path} does not hold what its job's journal says: {why}. Nothing was written "
+                              f"from it. {fix}; then try again (`cosybatch verify` lists the damage)")
+
+
 def _unpaired(path: Path, count: int) -> DamagedOutputError:
     return DamagedOutputError(f"{path} holds {count} items without both their .wav and .json members; nothing "
                               "was exported. Rerun the job's `cosybatch run` to repair the folder, then export again")
 
 
-def iter_members(path: Path) -> Iterator[tuple[str, dict, int, int]]:
+def iter_members(path: Path, expected: Expected = None) -> Iterator[tuple[str, dict, int, int]]:
     """(key, metadata, offset, size) for every item of one tar shard, in order: where its WAV
-    member's bytes lie in the file, found from the tar headers without reading the audio. A shard
-    that cannot be read to its end raises DamagedOutputError naming it."""
+    member's bytes lie in the file, found from the tar headers, each item checked as `iter_shard`
+    checks it (the audio is read once, to compare its checksum, never held). A shard that cannot
+    be read to its end, or holds anything else, raises DamagedOutputError naming it."""
     pending: dict[str, dict] = {}
+    check = _ShardCheck(path, expected)
     try:
         with tarfile.open(path) as tar:
             for member in tar:
-                key, _, ext = member.name.partition(".")
+                key, ext = check.member(member)
                 entry = pending.setdefault(key, {})
                 if ext == "wav":
-                    if not member.isfile():
-                        raise ValueError(f"member {member.name} is not a plain file")
-                    entry["wav"] = (member.offset_data, member.size)
+                    digest = hashlib.sha256()
+                    source = tar.extractfile(member)
+                    while chunk := source.read(1 << 20):
+                        digest.update(chunk)
+                    entry["wav"] = (member.offset_data, member.size, digest.hexdigest())
                 else:
                     entry[ext] = tar.extractfile(member).read()
                 if "wav" in entry and "json" in entry:
                     del pending[key]
-                    yield key, json.loads(entry["json"]), *entry["wav"]
+                    offset, size, checksum = entry["wav"]
+                    yield key, check.item(key, json.loads(entry["json"]), checksum), offset, size
     except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
         raise _damaged(path, exc) from None
     if pending:
         raise _unpaired(path, len(pending))
+    check.end()
 
 
 def check_whole(root: Path) -> None:
@@ -118,7 +223,7 @@ def check_whole(root: Path) -> None:
     makes at its end): an export of it would silently drop the lost items."""
     from .repair import check_sizes
 
-    for folder in output_dirs(root):
+    for folder in job_folders(root, "export"):
         if (folder / STATE_DIR / RAY_FAILURES_DIR).is_dir():
             continue  # a ray-run folder keeps no journal to check against
         problems = check_sizes(OutputDir(folder))
@@ -131,20 +236,40 @@ def check_whole(root: Path) -> None:
 def write_into_place(dest: Path, write: Callable[[Path], None]) -> None:
     """Run write(tmp) on a fresh folder beside `dest`, then swap it in: `dest` is always either
     the earlier export or the new one, whole."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for stale in dest.parent.glob(f".{dest.name}.*-*"):  # left by an export that was killed
-        shutil.rmtree(stale, ignore_errors=True)
+    real_folder(dest.parent)
+    for stale in dest.parent.glob(f".{dest.name}.*-*"):  # left by an export that was killed (or planted)
+        _remove(stale)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    tmp.mkdir()
+    tmp.mkdir()  # a new folder: fails on anything already there, a link included
     try:
         write(tmp)
-        if dest.exists():
-            os.replace(dest, old)
+        if os.path.lexists(dest):
+            os.replace(dest, old)  # a link at dest is moved aside itself, never followed
         os.replace(tmp, dest)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(tmp)
+        _remove(old)
+
+
+def real_folder(path: Path) -> Path:
+    """Make `path` (OUT/exports, OUT/exports/wavs) a folder if it is not there; refuse one that is
+    a symbolic link or not a folder, so no export writes anywhere but inside OUT."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        what = "a symbolic link" if path.is_symlink() else "not a folder"
+        raise UsageError(f"{path} is {what}; cosybatch writes exports only into a folder of its own inside "
+                         "the output folder. Remove it (move the link's target aside if you want it kept), "
+                         "then export again")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder of ours, or whatever else lies at its name (a link itself, never its target)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def export(root: Path, fmt: str, require_complete: bool = True, copy: bool = False) -> Path:
@@ -154,7 +279,9 @@ def export(root: Path, fmt: str, require_complete: bool = True, copy: bool = Fal
     root = Path(root)
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
-    for folder in output_dirs(root) if require_complete else ():
+    folders = job_folders(root, "export")  # one job's parts, as merge requires
+    real_folder(root / "exports")
+    for folder in folders if require_complete else ():
         stats = folder / "stats.json"
         status = json.loads(stats.read_text()).get("status") if stats.exists() else None
         if status != "complete":
@@ -196,7 +323,7 @@ def _write_hf(root: Path, dest: Path) -> None:
         rows.update({name: [] for name in optional})
         if with_qc:
             rows.update({name: [] for name, _ in QC_COLUMNS})
-        for key, meta, wav in iter_shard(shard) if shard is not None else ():
+        for key, meta, wav in iter_shard(*shard) if shard is not None else ():
             rows["audio"].append({"bytes": wav, "path": f"{key}.wav"})
             rows["id"].append(meta["id"])
             rows["text"].append(meta["text"])
@@ -240,16 +367,27 @@ def _write_hf(root: Path, dest: Path) -> None:
 
 def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
     """Write every item as exports/wavs/KEY.wav (skipping ones already there) -> [(path, meta)]."""
-    wavs = root / "exports" / "wavs"
-    wavs.mkdir(parents=True, exist_ok=True)
+    wavs = real_folder(real_folder(root / "exports") / "wavs")
     out = []
-    for shard in shards(root):
-        for key, meta, wav in iter_shard(shard):
+    for shard, expected in shards(root):
+        for key, meta, wav in iter_shard(shard, expected):  # the key is the journal's, checked, never a path
             path = wavs / f"{key}.wav"
-            if not path.exists() or path.stat().st_size != len(wav):
+            if not _holds(path, wav):
                 write_atomic(path, wav)
             out.append((path, meta))
     return out
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Is `path` a regular file (not a link) holding exactly `data`?"""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode) or os.lstat(path).st_size != len(data):
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return f.read(len(data) + 1) == data
 
 
 def speaker_label(meta: dict) -> str:
@@ -300,8 +438,9 @@ def _write_nemo_tarred(root: Path, dest: Path, tmp: Path) -> None:
     that shard, since NeMo's Lhotse reader finds a tar's shard id in its name (audio_N.tar)."""
     (tmp / "sharded_manifests").mkdir()
     everything = []
-    for n, shard in enumerate(shards(root)):
-        entries = [{**_nemo_entry(meta, f"{key}.wav"), "shard_id": n} for key, meta, _, _ in iter_members(shard)]
+    for n, (shard, expected) in enumerate(shards(root)):
+        entries = [{**_nemo_entry(meta, f"{key}.wav"), "shard_id": n}
+                   for key, meta, _, _ in iter_members(shard, expected)]
         (tmp / "sharded_manifests" / f"manifest_{n}.json").write_bytes(_jsonl(entries))
         os.symlink(os.path.relpath(shard, dest), tmp / f"audio_{n}.tar")
         everything += entries
@@ -326,8 +465,8 @@ def _lhotse_items(root: Path, copy: bool) -> Iterator[tuple[str, dict, dict]]:
         for path, meta in _extract_wavs(root):
             yield path.stem, {"type": "file", "channels": [0], "source": str(path.resolve())}, meta
         return
-    for shard in shards(root):
-        for key, meta, offset, size in iter_members(shard):
+    for shard, expected in shards(root):
+        for key, meta, offset, size in iter_members(shard, expected):
             yield key, {"type": "command", "channels": [0], "source": tar_range_command(shard, offset, size)}, meta
 
 

@@ -415,3 +415,22 @@ def check_sizes(out: OutputDir, ledger: Optional[Ledger] = None) -> list[str]:
     else:
         problems.append(f"{MANIFEST_FILE} is missing")
     return problems
+
+
+def check_members(out: OutputDir, ledger: Optional[Ledger] = None) -> list[str]:
+    """What a rerun's repair reads before it keeps a finished shard, without repairing: every
+    member where the journal wrote it has the journal's name, and its KEY.json the journal's id
+    and wav_sha256. A shard of the right size whose members were renamed in place, or another
+    job's shard padded to the size, is found here; the size check alone keeps it. Two reads per
+    item, never the audio (`cosybatch verify` compares the audio with its checksum)."""
+    ledger = ledger or Ledger.replay(out.journal_path)
+    problems = []
+    batches = _batches_by_shard(out)
+    for index, shard in sorted(ledger.shards.items()):
+        final = out.root / shard_name(index)
+        if not shard.closed or not final.is_file():
+            continue  # check_sizes says so
+        _good, mismatch = _matching_prefix(final, batches.get(index, []), shard.end)
+        if mismatch:
+            problems.append(f"{final.name}: {mismatch}")
+    return problems

@@ -21,7 +21,7 @@ from .checkpoint import (
     Ledger,
     OutputDir,
 )
-from .distributed import output_dirs
+from .distributed import job_folders
 
 RATE_WINDOW_S = 120.0  # the rate is measured over the last two minutes of commits
 
@@ -96,9 +96,10 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         status = "not started"
     problems: list[str] = []
     if status == "complete" and not (state / RAY_FAILURES_DIR).is_dir():
-        from .repair import check_sizes
+        from .repair import check_members, check_sizes
 
-        problems = check_sizes(OutputDir(folder), ledger)  # sizes and counts only: cheap
+        # sizes and counts, then each member's name, id and recorded checksum (headers, never the audio)
+        problems = check_sizes(OutputDir(folder), ledger) or check_members(OutputDir(folder), ledger)
         if problems:
             status = "damaged"  # rerun the same command to repair; `cosybatch verify` reads it all
     rate = None
@@ -122,7 +123,7 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
 
 
 def job_status(root: Path) -> dict:
-    folders = output_dirs(Path(root))
+    folders = job_folders(Path(root), "show the status of")  # one job's parts, as merge requires
     if not folders:
         raise UsageError(f"{root} holds no cosybatch job (no .cosybatch folder, no part-* folders)")
     parts = [part_status(f) for f in folders]

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .checkpoint import MANIFEST_FILE
-from .distributed import output_dirs
+from .distributed import job_folders
 from .shards import wav_checksum
 
 
 def verify(root: Path) -> dict:
     """{"ok", "items", "shards", "problems"} for a job folder or a sharded job's root."""
-    folders = output_dirs(Path(root))
+    folders = job_folders(Path(root), "verify")  # one job's parts, as merge requires
     if not folders:
         raise UsageError(f"{root} holds no cosybatch job (no .cosybatch folder, no part-* folders)")
     problems: list[str] = []
