@@ -12,7 +12,9 @@ column), the quality gate's summary when it ran, and that the audio is synthetic
 cosybatch did not write (it lacks MARKER) is never overwritten: the card is skipped with a
 warning. Nor is a README.md that is a symbolic link, a FIFO, a device or larger than CARD_CAP: it
 is not read (see readback.py) and left as it is, with a warning. The license is "unknown" until
-the user sets it in the card's header; a rewrite keeps the license of the card it replaces.
+the user sets it in the card's header; a rewrite keeps the license of the card it replaces, read
+from its YAML front matter (the lines between a first line `---` and the next line that is
+exactly `---`).
 """
 
 from __future__ import annotations
@@ -70,18 +72,31 @@ def write_card(root: Path) -> Optional[Path]:
         return None
 
 
-def _license_of(card: Optional[str]) -> str:
-    """The license in the header of the card being replaced (the user may have set it), else unknown."""
+def front_matter(card: str) -> Optional[dict]:
+    """The YAML header of a card: the lines between a first line that is `---` and the next line
+    that is exactly `---`, loaded with yaml's safe loader (None when there is none, or it is not a
+    YAML mapping). Not a split on `---`: a value (the folder's name in pretty_name) may hold one."""
     import yaml
 
-    if card and card.startswith("---"):
-        try:
-            header = yaml.safe_load(card.split("---", 2)[1])
-            value = header.get("license") if isinstance(header, dict) else None
-            if isinstance(value, str) and value.strip():
-                return value.strip()
-        except (yaml.YAMLError, IndexError):
-            pass
+    lines = card.splitlines()
+    if not lines or lines[0].rstrip() != "---":
+        return None
+    try:
+        end = lines.index("---", 1)
+    except ValueError:
+        return None
+    try:
+        header = yaml.safe_load("\n".join(lines[1:end]))
+    except yaml.YAMLError:
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _license_of(card: Optional[str]) -> str:
+    """The license in the header of the card being replaced (the user may have set it), else unknown."""
+    value = (front_matter(card) or {}).get("license") if card else None
+    if isinstance(value, str) and value.strip():
+        return value.strip()
     return "unknown"
 
 

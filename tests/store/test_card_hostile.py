@@ -1,5 +1,6 @@
-"""OUT/README.md against a hostile or careless folder (issue 31, hole 11): what the card reads back
-is a regular file of bounded size, never a link, a FIFO or a device followed or waited on."""
+"""OUT/README.md against a hostile or careless folder (issue 31, holes 11 and 12): what the card reads
+back is a regular file of bounded size, never a link, a FIFO or a device followed or waited on; and
+the user's license survives a folder name that YAML must quote and that holds `---`."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ import textwrap
 import threading
 
 import pytest
+import yaml
 from helpers import ROOT, write_jsonl
+from huggingface_hub import DatasetCard
+from typer.testing import CliRunner
 
+from cosybatch.cli import app
 from cosybatch.run.local import run
-from cosybatch.store.card import MARKER, write_card
+from cosybatch.store.card import MARKER, front_matter, write_card
 from cosybatch.store.readback import CARD_CAP, NotReadable, read_regular
+
+HOSTILE_NAME = 'my "data": v1---draft\'s'
 
 
 def finished(tmp_path, tone, name="out"):
@@ -129,3 +136,29 @@ def test_read_regular_refuses_what_is_not_a_regular_file(tmp_path):
     assert read_regular(tmp_path / "file", 5) == b"12345"
     with pytest.raises(FileNotFoundError):
         read_regular(tmp_path / "missing", 5)
+
+
+def test_the_license_survives_a_folder_name_with_quotes_a_colon_and_dashes(tmp_path, tone):
+    """pretty_name is the folder's name: YAML quotes this one, and it holds `---`. The license the
+    user set is read from the front matter, not from a split on `---`."""
+    corpus, out = finished(tmp_path, tone, name=HOSTILE_NAME)
+    card = (out / "README.md").read_text()
+    assert any(line.startswith("pretty_name: '") and "---" in line for line in card.splitlines())  # quoted
+    (out / "README.md").write_text(card.replace("license: unknown", "license: cc0-1.0"))
+    result = CliRunner().invoke(app, ["export", str(out), "--to", "hf"])  # rewrites the card
+    assert result.exit_code == 0, result.output
+    data = DatasetCard.load(out / "README.md").data
+    assert data.license == "cc0-1.0" and data.pretty_name == HOSTILE_NAME
+    assert run(tone(corpus, out)).status == "complete"  # a rerun rewrites the card: the license stays
+    assert DatasetCard.load(out / "README.md").data.license == "cc0-1.0"
+
+
+def test_front_matter_ends_at_the_first_line_that_is_exactly_three_dashes():
+    for name in (HOSTILE_NAME, "a\n---\nb", "---", "x: ---y", "'---'"):
+        header = {"license": "cc-by-4.0", "pretty_name": name}
+        card = f"---\n{yaml.safe_dump(header, sort_keys=False)}---\n{MARKER}\n\n# {name}\n\n---\n"
+        assert front_matter(card) == header, name
+    assert front_matter("# no header\n---\nlicense: mit\n---\n") is None
+    assert front_matter("---\nlicense: mit\n") is None  # never closed
+    assert front_matter("---\n- a list\n---\n") is None
+    assert front_matter("---\n!!python/object:os.system ls\n---\n") is None  # the safe loader refuses it
