@@ -4,6 +4,10 @@ audit page a run writes at its end, from its manifest.
 
 The audit judges as `--qc gate` does (as `--qc asr` with --asr): the same signals, the speech
 rate against each voice's running median in shard order, the same limits.
+
+What the page reads back from the folder (the manifest, stats.json, the journal, the shards its
+clips come from) is opened as store/readback.py says: never through a link at the name, never
+waiting on a FIFO, only regular files, and a clip embedded only up to CLIP_CAP bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import tarfile
 from pathlib import Path
 from typing import Optional
@@ -19,6 +24,7 @@ from ..store.checkpoint import MANIFEST_FILE, STATE_DIR
 from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
 from ..store.items import qc_columns
+from ..store.readback import NotReadable, open_regular, read_json
 from .gate import PaceHistory, QCSettings, Verdict, assess, judge, wants_asr
 from .signals import measure
 
@@ -26,6 +32,8 @@ log = logging.getLogger("cosybatch")
 
 QC_FILE = "qc.parquet"
 REPORT_FILE = "report.html"
+CLIP_CAP = 16 << 20  # the largest WAV the page embeds (about 6 minutes at 22050 Hz); a larger one is named
+JOURNAL_LINE_CAP = 16 << 20  # a longer journal line is skipped, not read whole
 SIGNAL_COLUMNS = ("lead_s", "tail_s", "gap_s", "speech_s", "speech_share", "units", "s_per_unit", "peak_db",
                   "rms_db", "clipped", "flatness")
 
@@ -108,8 +116,14 @@ def _clips(root: Path, rows: list[dict]):
 
     def clip(item_id: str) -> bytes:
         shard, key = where[item_id]
-        with tarfile.open(root / shard) as tar:
-            return tar.extractfile(f"{key}.wav").read()
+        with open_regular(root / shard) as f, tarfile.open(fileobj=f) as tar:
+            member = tar.getmember(f"{key}.wav")
+            if not member.isfile():
+                raise NotReadable(f"{key}.wav in {shard} is not a file")
+            if member.size > CLIP_CAP:
+                raise NotReadable(f"{key}.wav in {shard} is {member.size:,} bytes, more than the {CLIP_CAP:,} "
+                                  "the page embeds")
+            return tar.extractfile(member).read()
 
     return clip
 
@@ -119,13 +133,14 @@ def _throughput(root: Path) -> list[tuple[float, float]]:
     points: list[tuple[float, float]] = []
     for folder in output_dirs(root):
         journal = folder / STATE_DIR / "journal.jsonl"
-        if not journal.exists():
+        if not os.path.lexists(journal):
             continue
-        for line in journal.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
+        try:
+            records = list(_journal_records(journal))
+        except OSError as exc:  # NotReadable included: the page goes without the plot
+            log.warning("throughput not plotted: %s", exc)
+            continue
+        for rec in records:
             if rec.get("t") == "items" and "ts" in rec:
                 points.append((rec["ts"], sum(i.get("duration_s", 0.0) for i in rec.get("items", ()))))
     points.sort()
@@ -136,6 +151,23 @@ def _throughput(root: Path) -> list[tuple[float, float]]:
         total += audio
         out.append((ts - t0, total))
     return out
+
+
+def _journal_records(path: Path):
+    """The journal's records (dicts), a line at a time; a line that is not JSON, or longer than
+    JOURNAL_LINE_CAP, is skipped."""
+    with open_regular(path) as f:
+        while line := f.readline(JOURNAL_LINE_CAP + 1):
+            if len(line) > JOURNAL_LINE_CAP:
+                while line and not line.endswith(b"\n"):  # the rest of the long line
+                    line = f.readline(JOURNAL_LINE_CAP + 1)
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                yield rec
 
 
 def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Optional[dict] = None,
@@ -149,13 +181,13 @@ def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Opt
         import pyarrow.parquet as pq
 
         manifest = root / MANIFEST_FILE
-        if not manifest.exists():
+        if not os.path.lexists(manifest):
             return None
-        rows = pq.read_table(manifest).to_pylist()
+        with open_regular(manifest) as f:  # a link or a FIFO is refused (NotReadable), not read
+            rows = pq.read_table(f).to_pylist()
         if rows and "qc_flags" not in rows[0]:
             return None
-        stats = root / "stats.json"
-        summary = summary or (json.loads(stats.read_text()).get("qc") if stats.exists() else None) or {}
+        summary = summary or read_json(root / "stats.json").get("qc") or {}
     for r in rows:
         r["qc_flags"] = [f for f in (r.get("qc_flags") or "").split(",") if f] if isinstance(
             r.get("qc_flags"), (str, type(None))) else r["qc_flags"]
