@@ -1,19 +1,28 @@
 """The audit page, OUT/report.html, against a hostile or careless folder and hostile rows (issue 31,
 holes 11 and 14): what it reads back from the folder is a regular file, never a link or a FIFO
-followed or waited on."""
+followed or waited on; a bidi control in an id cannot reorder the page; long ids wrap; the
+throughput note is the run's rate; the page's Content-Security-Policy allows its one script by
+hash, not every inline script."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import json
 import os
+import re
 import shutil
 import threading
+from html.parser import HTMLParser
 
 import pytest
 from helpers import write_jsonl
-from report_page import Page
+from report_page import Page, make_rows
 
+from cosybatch.qc import report
 from cosybatch.qc.audit import write_job_report
+from cosybatch.qc.report import BIDI_CONTROLS, write_report
 from cosybatch.run.local import run
 from cosybatch.store.readback import NotReadable
 
@@ -106,3 +115,123 @@ def test_a_clip_over_the_cap_is_named_not_embedded(tmp_path, tone, size, monkeyp
         assert not page.find("audio") and all("the page embeds" in e.text for e in page.find("p", class_="clip-error"))
     else:
         assert len(page.find("audio")) == 3
+
+
+# -- hole 14 -----------------------------------------------------------------------------------------
+RLO = "\u202e"
+
+
+class _BidiReader(HTMLParser):
+    """Where the page's text holds a bidi control: (the open elements, the text) of each such run."""
+
+    VOID = frozenset({"meta", "link", "br", "img", "input", "hr", "source", "wbr", "circle", "line", "polyline"})
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.found: list[tuple[list[str], str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        pass
+
+    def handle_endtag(self, tag):
+        while self.stack and self.stack.pop() != tag:
+            pass
+
+    def handle_data(self, data):
+        if BIDI_CONTROLS.intersection(data):
+            self.found.append((list(self.stack), data))
+
+
+def test_a_bidi_control_in_a_row_cannot_reorder_the_page(tmp_path):
+    """An id ending in U+202E (RIGHT-TO-LEFT OVERRIDE) reversed the rest of its line. Every user
+    string in the page's flow is isolated in <bdi>; in ids, voices, flags, summary values and the
+    title the controls are shown as [U+202E] (tooltips and <title> cannot isolate)."""
+    rows, wavs = make_rows(30)
+    evil = "row-0000" + RLO
+    wavs[evil] = wavs.pop(rows[0]["id"])
+    rows[0].update(id=evil, qc_score=99.0, voice="voice" + RLO, qc_flags=["slow" + RLO],
+                   text="text " + RLO + " reversed", qc_asr_text="heard " + RLO)
+    path = tmp_path / "report.html"
+    write_report(path, rows, {"engine" + RLO: "tone" + RLO}, wavs.__getitem__, title="out" + RLO)
+    text = path.read_text(encoding="utf-8")
+    reader = _BidiReader()
+    reader.feed(text)
+    assert reader.found  # the text and what was heard keep theirs (the user's own text), isolated
+    for stack, data in reader.found:
+        assert "bdi" in stack, (stack, data)
+        assert "title" not in stack, (stack, data)
+    page = Page(text)
+    card = page.find("article", data_id=evil)[0]  # the attribute keeps the id as it is
+    ident = [e for e in page.elements if e.tag == "bdi" and "id" in e.attrs.get("class", "").split()
+             and card in e.ancestors]
+    assert ident[0].text == "row-0000[U+202E]"
+    assert "voice voice[U+202E]" in card.text and "slow[U+202E]" in card.text
+    assert page.find("title")[0].text == "out[U+202E]"
+    assert "row-0000[U+202E]:" in page.find("circle", data_id=evil)[0].text
+
+
+def test_long_ids_and_texts_wrap_inside_their_cards():
+    css = re.sub(r"\s+", "", report._CSS)
+    rules = dict(re.findall(r"([^{}]+)\{([^{}]*)\}", css))
+    assert "overflow-wrap:anywhere" in rules[".clipp"].split(";")
+    assert "word-break:break-all" in rules[".clip.id"].split(";")
+    assert "overflow-wrap:anywhere" in rules["#summaryth,#summarytd"].split(";")
+
+
+def test_the_pages_one_script_is_allowed_by_its_hash_not_by_unsafe_inline(tmp_path):
+    rows, wavs = make_rows(5)
+    path = tmp_path / "report.html"
+    write_report(path, rows, {}, wavs.__getitem__)
+    text = path.read_text(encoding="utf-8")
+    policy = [m for m in Page(text).find("meta") if m.attrs.get("http-equiv") == "Content-Security-Policy"]
+    directives = dict(d.strip().split(" ", 1) for d in policy[0].attrs["content"].split(";"))
+    scripts = re.findall(r"<script>(.*?)</script>", text, re.S)
+    assert len(scripts) == 1
+    digest = base64.b64encode(hashlib.sha256(scripts[0].encode("utf-8")).digest()).decode()
+    assert directives["script-src"] == f"'sha256-{digest}'"
+    assert "unsafe-inline" not in directives["script-src"] and directives["default-src"] == "'none'"
+
+
+def rate_note(out) -> str:
+    """The throughput figure's note, the one that gives a rate."""
+    return Page((out / "report.html").read_text()).find("p", within="plot-throughput", class_="note")[-1].text
+
+
+def test_the_throughput_note_is_the_runs_rate_not_the_first_commits(tmp_path, tone):
+    """Commits 0.01 s apart at the end of a 7.7 s run of 10 audio-seconds: 1.30 audio-s/s (the
+    first commit as the start made it 1000). The line starts at the run's start."""
+    _, out = finished(tmp_path, tone)
+    stats = json.loads((out / "stats.json").read_text())
+    expected = stats["audio_seconds"] / stats["wall_seconds"]  # the run's figure (stats rounds the seconds)
+    assert abs(expected - stats["audio_seconds_per_wall_second"]) < 0.05 * expected + 0.01
+    assert f"{expected:.2f} audio-seconds per second" in rate_note(out)
+
+    journal = out / ".cosybatch" / "journal.jsonl"
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    commits = [r for r in records if r["t"] == "items"]
+    assert len(commits) == 1
+    start = 1_700_000_000.0
+    first, second = json.loads(json.dumps(commits[0])), json.loads(json.dumps(commits[0]))
+    first["ts"], second["ts"] = start + 7.69, start + 7.70
+    for rec, audio in ((first, 5.0), (second, 5.0)):
+        for item in rec["items"]:
+            item["duration_s"] = audio / len(rec["items"])
+    journal.write_text("".join(json.dumps(r) + "\n" for r in (first, second)))
+    run_file = out / ".cosybatch" / "run.json"
+    run_file.write_text(json.dumps({**json.loads(run_file.read_text()), "started": start}))
+    (out / "stats.json").write_text(json.dumps({**stats, "wall_seconds": 7.7, "audio_seconds": 10.0}))
+    write_job_report(out)
+    note = rate_note(out)
+    assert "1.30 audio-seconds per second" in note and "1000" not in note, note
+    line = Page((out / "report.html").read_text()).find("polyline", within="throughput")[0]
+    assert line.attrs["data-points"] == "3"  # (0, 0), then the two commits at 7.69 and 7.7 s
+
+    # Without stats.json's figures, the rate is over the time since the job started.
+    (out / "stats.json").write_text(json.dumps({"status": "complete"}))
+    write_job_report(out)
+    assert "10 s of audio in 7.7 s since the job started: 1.30 audio-seconds per second" in rate_note(out)
