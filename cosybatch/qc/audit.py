@@ -4,6 +4,10 @@ audit page a run writes at its end, from its manifest.
 
 The audit judges as `--qc gate` does (as `--qc asr` with --asr): the same signals, the speech
 rate against each voice's running median in shard order, the same limits.
+
+What the page reads back from the folder (the manifest, stats.json, the journal, the shards its
+clips come from) is opened as store/readback.py says: never through a link at the name, never
+waiting on a FIFO, only regular files, and a clip embedded only up to CLIP_CAP bytes.
 """
 
 from __future__ import annotations
@@ -11,14 +15,17 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
+import os
 import tarfile
 from pathlib import Path
 from typing import Optional
 
-from ..store.checkpoint import MANIFEST_FILE, STATE_DIR, atomic_file
+from ..store.checkpoint import MANIFEST_FILE, RUN_FILE, STATE_DIR, STATS_FILE, atomic_file
 from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
 from ..store.items import qc_columns
+from ..store.readback import NotReadable, open_regular, read_json
 from .gate import PaceHistory, QCSettings, Verdict, assess, judge, wants_asr
 from .signals import measure
 
@@ -26,6 +33,8 @@ log = logging.getLogger("cosybatch")
 
 QC_FILE = "qc.parquet"
 REPORT_FILE = "report.html"
+CLIP_CAP = 16 << 20  # the largest WAV the page embeds (about 6 minutes at 22050 Hz); a larger one is named
+JOURNAL_LINE_CAP = 16 << 20  # a longer journal line is skipped, not read whole
 SIGNAL_COLUMNS = ("lead_s", "tail_s", "gap_s", "speech_s", "speech_share", "units", "s_per_unit", "peak_db",
                   "rms_db", "clipped", "flatness")
 
@@ -107,34 +116,89 @@ def _clips(root: Path, rows: list[dict]):
 
     def clip(item_id: str) -> bytes:
         shard, key = where[item_id]
-        with tarfile.open(root / shard) as tar:
-            return tar.extractfile(f"{key}.wav").read()
+        with open_regular(root / shard) as f, tarfile.open(fileobj=f) as tar:
+            member = tar.getmember(f"{key}.wav")
+            if not member.isfile():
+                raise NotReadable(f"{key}.wav in {shard} is not a file")
+            if member.size > CLIP_CAP:
+                raise NotReadable(f"{key}.wav in {shard} is {member.size:,} bytes, more than the {CLIP_CAP:,} "
+                                  "the page embeds")
+            return tar.extractfile(member).read()
 
     return clip
 
 
-def _throughput(root: Path) -> list[tuple[float, float]]:
-    """(seconds since the first commit, audio seconds committed by then) from the journal(s)."""
-    points: list[tuple[float, float]] = []
+def _throughput(root: Path) -> tuple[list[tuple[float, float]], Optional[tuple[float, float]]]:
+    """The throughput plot's points and the run's rate, from the journal(s), run.json and stats.json.
+
+    Points: (seconds since the job started, audio seconds committed by then). The start is the
+    earliest part's run.json "started" (the last run's start: what a resumed job committed before
+    it is the line's starting amount), else the first commit. Rate: (audio seconds, wall seconds)
+    of the last run, from stats.json (a job folder's; for a sharded job's root, its parts' audio
+    over the span from the first part's start to the last part's end); None when not recorded.
+    Not from the first commit: a run whose first commit comes late would show many times its rate."""
+    commits: list[tuple[float, float]] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    run_audio = 0.0
     for folder in output_dirs(root):
+        started = read_json(folder / STATE_DIR / RUN_FILE).get("started")
+        started = float(started) if _number(started) else None
+        stats = read_json(folder / STATS_FILE)
+        if started is not None:
+            starts.append(started)
+            if _number(stats.get("wall_seconds")) and _number(stats.get("audio_seconds")):
+                ends.append(started + float(stats["wall_seconds"]))
+                run_audio += float(stats["audio_seconds"])
         journal = folder / STATE_DIR / "journal.jsonl"
-        if not journal.exists():
+        if not os.path.lexists(journal):
             continue
-        for line in journal.read_text(errors="replace").splitlines():
+        try:
+            records = list(_journal_records(journal))
+        except OSError as exc:  # NotReadable included: the page goes without the plot
+            log.warning("throughput not plotted: %s", exc)
+            continue
+        for rec in records:
+            if rec.get("t") == "items" and _number(rec.get("ts")):
+                commits.append((float(rec["ts"]), sum(i.get("duration_s", 0.0) for i in rec.get("items", ()))))
+    commits.sort()
+    rate = None
+    stats = read_json(root / STATS_FILE)
+    if _number(stats.get("wall_seconds")) and _number(stats.get("audio_seconds")) and stats["wall_seconds"] > 0:
+        rate = (float(stats["audio_seconds"]), float(stats["wall_seconds"]))
+    elif starts and ends and len(ends) == len(starts) and max(ends) > min(starts):
+        rate = (run_audio, max(ends) - min(starts))
+    if not commits:
+        return [], rate
+    t0 = min(starts) if starts else commits[0][0]
+    before = sum(audio for ts, audio in commits if ts < t0)  # a resumed job's earlier runs
+    total, points = before, [(0.0, before)]
+    for ts, audio in commits:
+        if ts >= t0:
+            total += audio
+            points.append((ts - t0, total))
+    return points, rate
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _journal_records(path: Path):
+    """The journal's records (dicts), a line at a time; a line that is not JSON, or longer than
+    JOURNAL_LINE_CAP, is skipped."""
+    with open_regular(path) as f:
+        while line := f.readline(JOURNAL_LINE_CAP + 1):
+            if len(line) > JOURNAL_LINE_CAP:
+                while line and not line.endswith(b"\n"):  # the rest of the long line
+                    line = f.readline(JOURNAL_LINE_CAP + 1)
+                continue
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("t") == "items" and "ts" in rec:
-                points.append((rec["ts"], sum(i.get("duration_s", 0.0) for i in rec.get("items", ()))))
-    points.sort()
-    if not points:
-        return []
-    t0, total, out = points[0][0], 0.0, []
-    for ts, audio in points:
-        total += audio
-        out.append((ts - t0, total))
-    return out
+            if isinstance(rec, dict):
+                yield rec
 
 
 def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Optional[dict] = None,
@@ -148,13 +212,13 @@ def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Opt
         import pyarrow.parquet as pq
 
         manifest = root / MANIFEST_FILE
-        if not manifest.exists():
+        if not os.path.lexists(manifest):
             return None
-        rows = pq.read_table(manifest).to_pylist()
+        with open_regular(manifest) as f:  # a link or a FIFO is refused (NotReadable), not read
+            rows = pq.read_table(f).to_pylist()
         if rows and "qc_flags" not in rows[0]:
             return None
-        stats = root / "stats.json"
-        summary = summary or (json.loads(stats.read_text()).get("qc") if stats.exists() else None) or {}
+        summary = summary or read_json(root / STATS_FILE).get("qc") or {}
     for r in rows:
         r["qc_flags"] = [f for f in (r.get("qc_flags") or "").split(",") if f] if isinstance(
             r.get("qc_flags"), (str, type(None))) else r["qc_flags"]
@@ -162,7 +226,8 @@ def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Opt
         r["qc_attempts"] = r.get("qc_attempts") or 1
         r["qc_score"] = r.get("qc_score") or 0.0
     path = root / REPORT_FILE
-    write_report(path, rows, summary or {}, _clips(root, rows), seed=seed, throughput=_throughput(root),
+    points, rate = _throughput(root)
+    write_report(path, rows, summary or {}, _clips(root, rows), seed=seed, throughput=points, rate=rate,
                  title=f"cosybatch report: {root.name}")
     return path
 

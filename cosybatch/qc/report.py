@@ -6,15 +6,21 @@ the run); audio players for the 20 worst clips (highest `qc_score`, ties by id) 
 random 20 of the others, each clip's WAV embedded as a data: URI. Nothing on the page refers to
 anything outside it (no network, no CDN, no other file; a Content-Security-Policy tells the browser
 so), and a small inline script marks each <audio> once its metadata has loaded, so a browser test
-(and a reader) can see how many clips play.
+(and a reader) can see how many clips play. The policy allows that one script by its sha256,
+computed as the page is written, not every inline script: escaping is not the only guard.
 
 Everything taken from rows and the summary is HTML-escaped: ids and texts come from a user's
-corpus. The same arguments give the same bytes (no clock on the page; randomness from `seed`).
+corpus. Each such string shown in the page's flow is also isolated (<bdi>), so a bidi control in
+it (U+202E RIGHT-TO-LEFT OVERRIDE, ...) cannot reorder the rest of its line; in ids, voices,
+flags, the summary and the title, where nothing needs them, the controls are shown as [U+202E]
+(in the SVG tooltips and the <title> too, which cannot isolate). Long ids and texts wrap inside
+their cards. The same arguments give the same bytes (no clock on the page; randomness from `seed`).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import math
 import os
@@ -22,6 +28,7 @@ import random
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Optional
 
 SCATTER_CAP = 5000  # more points than this: a seeded sample of this many is plotted, and the page says so
 WORST = 20  # clips shown with the highest qc_score
@@ -41,6 +48,7 @@ def write_report(
     *,
     seed: int = 0,
     throughput: Sequence[tuple[float, float]] = (),
+    rate: Optional[tuple[float, float]] = None,
     title: str = "cosybatch report",
 ) -> None:
     """Write the audit page to `path` atomically (a temporary file beside it, then a rename).
@@ -49,10 +57,12 @@ def write_report(
     `units`, `qc_pass`, `qc_flags`, `qc_cer`, `qc_wer`, `qc_asr_text`, `qc_attempts`, `qc_score`) may
     be missing. summary: shown as a table, nested dicts flattened to dotted keys. clip(id): the WAV
     bytes of one clip, called only for the (at most 40) clips the page plays. throughput: points
-    (seconds since the job started, cumulative audio seconds committed). seed: the random sample's
+    (seconds since the job started, cumulative audio seconds committed). rate: (audio seconds, wall
+    seconds) of the run, for the throughput note; without it the note's rate is the last point's
+    audio over its time (the points must then start at the job's start). seed: the random sample's
     and the scatter cap's seed.
     """
-    page = render_report(rows, summary, clip, seed=seed, throughput=throughput, title=title)
+    page = render_report(rows, summary, clip, seed=seed, throughput=throughput, rate=rate, title=title)
     _write_atomic(Path(path), page.encode("utf-8"))
 
 
@@ -63,18 +73,19 @@ def render_report(
     *,
     seed: int = 0,
     throughput: Sequence[tuple[float, float]] = (),
+    rate: Optional[tuple[float, float]] = None,
     title: str = "cosybatch report",
 ) -> str:
     """The page as a string (write_report writes it)."""
     worst, sample = choose_clips(rows, seed)
     body = [
-        f"<h1>{_e(title)}</h1>",
+        f"<h1>{_ident(title)}</h1>",
         _summary_table(summary),
         '<section id="plots"><h2>Plots</h2>',
         _scatter(rows, seed),
         _cer_histogram(rows),
         _pass_rate(rows),
-        _throughput(throughput),
+        _throughput(throughput, rate),
         "</section>",
         '<section id="clips"><h2>Listen</h2>',
         '<p id="audio-status" class="note">Checking the clips…</p>',
@@ -98,10 +109,19 @@ def render_report(
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
-        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+        f'<meta http-equiv="Content-Security-Policy" content="{csp(_SCRIPT)}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
+        f"<title>{_e(_visible(title))}</title><style>{_CSS}</style></head>\n<body>\n" + "\n".join(body)
+        + "\n</body></html>\n"
     )
+
+
+def csp(script: str) -> str:
+    """The page's Content-Security-Policy: nothing from outside; inline styles; of scripts, only
+    the one whose text is `script` (by its sha256, as CSP level 2 hashes an inline script's text)."""
+    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+    return (f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'; media-src data:; "
+            "img-src data:")
 
 
 def choose_clips(rows: list[dict], seed: int) -> tuple[list[int], list[int]]:
@@ -160,7 +180,7 @@ def _value(v: object) -> str:
 def _summary_table(summary: dict) -> str:
     lines = ['<section id="summary-section"><h2>Summary</h2><table id="summary"><tbody>']
     for key, value in _flatten(summary):
-        lines.append(f'<tr data-key="{_e(key)}"><th>{_e(key)}</th><td>{_e(_value(value))}</td></tr>')
+        lines.append(f'<tr data-key="{_e(key)}"><th>{_ident(key)}</th><td>{_ident(_value(value))}</td></tr>')
     lines.append("</tbody></table></section>")
     return "\n".join(lines)
 
@@ -271,9 +291,9 @@ def _scatter(rows: list[dict], seed: int) -> str:
             s = status(row)
             if s != wanted:
                 continue
-            tip = f"{row.get('id')}: {units:g} characters, {duration:.2f} s"
+            tip = f"{_visible(row.get('id'))}: {units:g} characters, {duration:.2f} s"
             if row.get("qc_flags"):
-                tip += " – " + ", ".join(map(str, row["qc_flags"]))
+                tip += " – " + ", ".join(_visible(f) for f in row["qc_flags"])
             out.append(
                 f'<circle class="{s}" cx="{_f(frame.x(units))}" cy="{_f(frame.y(duration))}" r="{radius}" '
                 f'data-id="{_e(row.get("id"))}"><title>{_e(tip)}</title></circle>'
@@ -341,16 +361,17 @@ def _pass_rate(rows: list[dict]) -> str:
     for i, (voice, (passed, total)) in enumerate(sorted(voices.items())):
         y = TOP + i * row_h
         rate = passed / total
-        name = voice if len(voice) <= 22 else voice[:21] + "…"
+        shown = _visible(voice)
+        name = shown if len(shown) <= 22 else shown[:21] + "…"
         out.append(
             f'<text class="ytick" x="{frame.left - 8}" y="{_f(y + row_h / 2)}" text-anchor="end" dy="0.32em">'
-            f"<title>{_e(voice)}</title>{_e(name)}</text>"
+            f"<title>{_e(shown)}</title>{_e(name)}</text>"
         )
         out.append(
             f'<rect class="bar" x="{frame.left}" y="{_f(y + 4)}" width="{_f(frame.x(rate) - frame.left)}" '
             f'height="{row_h - 8}" '
             f'data-voice="{_e(voice)}" data-passed="{passed}" data-total="{total}">'
-            f"<title>{_e(voice)}: {passed} of {total} passed</title></rect>"
+            f"<title>{_e(shown)}: {passed} of {total} passed</title></rect>"
         )
         out.append(
             f'<text class="value" x="{_f(frame.x(rate) + 6)}" y="{_f(y + row_h / 2)}" '
@@ -360,24 +381,33 @@ def _pass_rate(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _throughput(points: Sequence[tuple[float, float]]) -> str:
+def _throughput(points: Sequence[tuple[float, float]], rate: Optional[tuple[float, float]] = None) -> str:
     pts = sorted((float(t), float(a)) for t, a in points if _finite(t) and _finite(a))
     head = '<figure id="plot-throughput"><figcaption>Audio committed over the run</figcaption>'
+    if rate is not None and all(_finite(v) for v in rate) and rate[0] >= 0 and rate[1] > 0:
+        audio, wall = map(float, rate)
+        note = (f'<p class="note" id="throughput-rate">The run made {_num(audio)} s of audio in {_num(wall)} s of '
+                f"wall time: {audio / wall:.2f} audio-seconds per second.</p>")
+    elif pts and pts[-1][0] > 0:  # the points start at the job's start (write_report's contract)
+        t_end, a_end = pts[-1]
+        note = (f'<p class="note" id="throughput-rate">{_num(a_end)} s of audio in {_num(t_end)} s since the job '
+                f"started: {a_end / t_end:.2f} audio-seconds per second.</p>")
+    else:
+        note = ""
     if not pts:
-        return head + '\n<p class="note" id="throughput-none">No throughput was recorded for this job.</p>\n</figure>'
+        none = '<p class="note" id="throughput-none">No throughput was recorded for this job.</p>'
+        return f"{head}\n{none}{note}\n</figure>"
     frame = _Frame(1.0, 1.0)
     xt, yt = _ticks(max(t for t, _ in pts)), _ticks(max(a for _, a in pts))
     frame.x1, frame.y1 = xt[-1], yt[-1]
     line = " ".join(f"{_f(frame.x(t))},{_f(frame.y(a))}" for t, a in pts)
-    t_end, a_end = pts[-1]
-    rate = f"; {a_end / t_end:.2f} audio-seconds per second" if t_end > 0 else ""
     out = [
         head,
         frame.open("throughput", "cumulative audio seconds against seconds since the start"),
         frame.axes(xt, yt, "seconds since the job started", "audio committed (s)"),
         f'<polyline class="line" points="{line}" data-points="{len(pts)}"/>',
         "</svg>",
-        f'<p class="note">{_num(a_end)} s of audio in {_num(t_end)} s{rate}.</p>',
+        note,
         "</figure>",
     ]
     return "\n".join(out)
@@ -394,7 +424,7 @@ def _clip_section(group: str, heading: str, note: str, chosen: list[dict], clip:
 
 def _clip_card(group: str, row: dict, clip: Callable[[str], bytes]) -> str:
     rid = str(row.get("id"))
-    facts = [f"voice {row.get('voice') or '–'}"]
+    facts = [f"voice {_visible(row.get('voice') or '–')}"]
     if _finite(row.get("duration_s")):
         facts.append(f"{float(row['duration_s']):.2f} s")
     if row.get("qc_score") is not None:
@@ -412,17 +442,17 @@ def _clip_card(group: str, row: dict, clip: Callable[[str], bytes]) -> str:
             f'src="data:audio/wav;base64,{base64.b64encode(wav).decode("ascii")}"></audio>'
         )
     except Exception as e:  # one unreadable clip must not cost the whole page; it is shown instead
-        player = f'<p class="clip-error">The audio could not be read: {_e(f"{type(e).__name__}: {e}")}</p>'
+        player = f'<p class="clip-error">The audio could not be read: {_ident(f"{type(e).__name__}: {e}")}</p>'
     asr = row.get("qc_asr_text")
     return "\n".join(
         [
             f'<article class="clip {status(row)}" data-id="{_e(rid)}" data-group="{group}">',
-            f'<p class="head"><span class="id">{_e(rid)}</span> · {_e(" · ".join(facts))}'
-            + "".join(f' <span class="flag">{_e(f)}</span>' for f in flags)
+            f'<p class="head"><bdi class="id">{_e(_visible(rid))}</bdi> · <bdi>{_e(" · ".join(facts))}</bdi>'
+            + "".join(f' <bdi class="flag">{_e(_visible(f))}</bdi>' for f in flags)
             + "</p>",
             player,
-            f'<p class="text"><span class="what">text</span> {_e(row.get("text", ""))}</p>',
-            f'<p class="asr"><span class="what">heard</span> {_e(asr)}</p>' if asr is not None else "",
+            f'<p class="text"><span class="what">text</span> <bdi>{_e(row.get("text", ""))}</bdi></p>',
+            f'<p class="asr"><span class="what">heard</span> <bdi>{_e(asr)}</bdi></p>' if asr is not None else "",
             "</article>",
         ]
     )
@@ -431,6 +461,24 @@ def _clip_card(group: str, row: dict, clip: Callable[[str], bytes]) -> str:
 # -- small helpers ------------------------------------------------------------------------------
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
+
+
+# The bidirectional formatting characters (Unicode's Bidi_Control property): marks, embeddings,
+# overrides and isolates. In an id one can reverse what follows it on the line.
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _visible(value: object) -> str:
+    """value as text with each bidi control shown as [U+XXXX] (for ids, voices, flags, keys)."""
+    text = str(value)
+    if not BIDI_CONTROLS.intersection(text):
+        return text
+    return "".join(f"[U+{ord(c):04X}]" if c in BIDI_CONTROLS else c for c in text)
+
+
+def _ident(value: object) -> str:
+    """An identifier-like user string for the page's flow: controls shown, escaped, isolated."""
+    return f"<bdi>{_e(_visible(value))}</bdi>"
 
 
 def _f(v: float) -> str:
@@ -490,14 +538,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-# Only inline styles and scripts, and data: audio: the page cannot reach anything outside itself.
-_CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; media-src data:; img-src data:"
+# Only inline styles, the page's one script (by its hash, csp()) and data: audio: the page cannot
+# reach anything outside itself, and a script that escaping missed would not run.
 
 _CSS = """
 body{font:15px/1.45 system-ui,sans-serif;margin:2rem auto;max-width:960px;padding:0 1rem;color:#222}
 h1{font-size:1.6rem}h2{margin-top:2rem;border-bottom:1px solid #ddd}
 table#summary{border-collapse:collapse}
-#summary th,#summary td{padding:2px 12px;border-bottom:1px solid #eee;text-align:left}
+#summary th,#summary td{padding:2px 12px;border-bottom:1px solid #eee;text-align:left;overflow-wrap:anywhere}
 #summary th{font-weight:600;font-family:ui-monospace,monospace;font-size:13px}
 figure{margin:1.5rem 0}figcaption{font-weight:600}
 svg.plot{width:100%;max-width:640px;height:auto;display:block}
@@ -508,9 +556,11 @@ border-radius:50%;margin-right:4px}.legend .passed .swatch{background:#2a9d8f}
 .legend .flagged .swatch{background:#e9a23b}.legend .failed .swatch{background:#d62839}
 rect.bar{fill:#457b9d}rect.overflow{fill:#d62839}polyline.line{fill:none;stroke:#457b9d;stroke-width:2}
 .note{color:#555;font-size:13px}
-.clip{border-left:4px solid #2a9d8f;padding:4px 12px;margin:12px 0;background:#fafafa}
+.clip{min-width:0;max-width:100%;box-sizing:border-box;
+border-left:4px solid #2a9d8f;padding:4px 12px;margin:12px 0;background:#fafafa}
 .clip.flagged{border-color:#e9a23b}.clip.failed{border-color:#d62839}
-.clip p{margin:4px 0}.clip .id{font-family:ui-monospace,monospace;font-weight:600}
+.clip p{margin:4px 0;overflow-wrap:anywhere}.clip .id{font-family:ui-monospace,monospace;font-weight:600;
+word-break:break-all}bdi{unicode-bidi:isolate}
 .flag{background:#fde8c8;border-radius:3px;padding:0 4px;font-size:12px}
 .what{color:#888;font-size:12px;text-transform:uppercase;margin-right:4px}audio{width:100%;max-width:480px}
 .clip-error{color:#d62839}

@@ -10,20 +10,25 @@ The card says what made the audio (engine, voice or model and its sha256, cosyba
 settings), the rows and hours per voice (and language, where the manifest has a language
 column), the quality gate's summary when it ran, and that the audio is synthetic. A README.md
 cosybatch did not write (it lacks MARKER) is never overwritten: the card is skipped with a
-warning. The license is "unknown" until the user sets it in the card's header; a rewrite keeps
-the license of the card it replaces.
+warning. Nor is a README.md that is a symbolic link, a FIFO, a device or larger than CARD_CAP: it
+is not read (see readback.py) and left as it is, with a warning. The license is "unknown" until
+the user sets it in the card's header; a rewrite keeps the license of the card it replaces, read
+from its YAML front matter (the lines between a first line `---` and the next line that is
+exactly `---`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
 from .checkpoint import MANIFEST_FILE, STATS_FILE, OutputDir, write_atomic
 from .distributed import output_dirs
+from .readback import CARD_CAP, NotReadable, open_regular, read_json, read_regular
 
 log = logging.getLogger("cosybatch")
 
@@ -49,7 +54,11 @@ def write_card(root: Path) -> Optional[Path]:
     root = Path(root)
     path = root / CARD_FILE
     try:
-        earlier = path.read_text(encoding="utf-8") if path.exists() else None
+        try:
+            earlier = read_regular(path, CARD_CAP).decode("utf-8", "replace") if os.path.lexists(path) else None
+        except NotReadable as exc:  # a link, a FIFO, a device, a huge file: not ours, and not read
+            log.warning("%s; left as it is (no dataset card written)", exc)
+            return None
         if earlier is not None and MARKER not in earlier:
             log.warning("%s was not written by cosybatch; left as it is (no dataset card written)", path)
             return None
@@ -63,27 +72,32 @@ def write_card(root: Path) -> Optional[Path]:
         return None
 
 
-def _license_of(card: Optional[str]) -> str:
-    """The license in the header of the card being replaced (the user may have set it), else unknown."""
+def front_matter(card: str) -> Optional[dict]:
+    """The YAML header of a card: the lines between a first line that is `---` and the next line
+    that is exactly `---`, loaded with yaml's safe loader (None when there is none, or it is not a
+    YAML mapping). Not a split on `---`: a value (the folder's name in pretty_name) may hold one."""
     import yaml
 
-    if card and card.startswith("---"):
-        try:
-            header = yaml.safe_load(card.split("---", 2)[1])
-            value = header.get("license") if isinstance(header, dict) else None
-            if isinstance(value, str) and value.strip():
-                return value.strip()
-        except (yaml.YAMLError, IndexError):
-            pass
-    return "unknown"
-
-
-def _read_json(path: Path) -> dict:
+    lines = card.splitlines()
+    if not lines or lines[0].rstrip() != "---":
+        return None
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        end = lines.index("---", 1)
+    except ValueError:
+        return None
+    try:
+        header = yaml.safe_load("\n".join(lines[1:end]))
+    except yaml.YAMLError:
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _license_of(card: Optional[str]) -> str:
+    """The license in the header of the card being replaced (the user may have set it), else unknown."""
+    value = (front_matter(card) or {}).get("license") if card else None
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    return "unknown"
 
 
 def _manifest_rows(root: Path, folders: list[Path]) -> list[dict]:
@@ -91,14 +105,15 @@ def _manifest_rows(root: Path, folders: list[Path]) -> list[dict]:
     single folder's, or the one `merge` wrote), else the parts' own."""
     import pyarrow.parquet as pq
 
-    sources = [root / MANIFEST_FILE] if (root / MANIFEST_FILE).exists() else [f / MANIFEST_FILE for f in folders]
+    sources = [root / MANIFEST_FILE] if os.path.lexists(root / MANIFEST_FILE) else [f / MANIFEST_FILE for f in folders]
     rows = []
     for source in sources:
-        if not source.exists():
+        if not os.path.lexists(source):
             continue
-        names = pq.read_schema(source).names
-        columns = [c for c in ("voice", "duration_s", "language") if c in names]
-        rows += pq.read_table(source, columns=columns).to_pylist()
+        with open_regular(source) as f:  # a link or a FIFO is refused (NotReadable), not read
+            manifest = pq.ParquetFile(f)
+            columns = [c for c in ("voice", "duration_s", "language") if c in manifest.schema_arrow.names]
+            rows += manifest.read(columns=columns).to_pylist()
     return rows
 
 
@@ -129,10 +144,10 @@ def card_text(root: Path, license: str = "unknown") -> Optional[str]:
     folders = output_dirs(root)
     if not folders:
         return None
-    stats = _read_json(root / STATS_FILE)
-    part_stats = [_read_json(f / STATS_FILE) for f in folders]
+    stats = read_json(root / STATS_FILE)
+    part_stats = [read_json(f / STATS_FILE) for f in folders]
     first = next((s for s in part_stats if s.get("engine")), {})
-    recorded = OutputDir(folders[0]).recorded() or {}
+    recorded = read_json(OutputDir(folders[0]).job_file)
     fingerprint = recorded.get("fingerprint") or {}
     engine = fingerprint.get("engine") or {}
     rows = _manifest_rows(root, folders)

@@ -25,7 +25,7 @@ def rows(n: int, prefix: str = "id") -> list[dict]:
 
 
 def config(corpus: Path, out: Path, **kw) -> RunConfig:
-    return RunConfig(corpus=corpus, out=out, progress="none",
+    return RunConfig.from_options(corpus=corpus, out=out, progress="none",
                      **{"engine": "tone", "batch_size": 1, "shard_max_items": 3, **kw})
 
 
