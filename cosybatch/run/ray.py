@@ -70,8 +70,11 @@ class RayOptions:
     def __post_init__(self) -> None:
         if self.actors < 1 or self.rows_per_task < 1:
             raise UsageError("--actors and --rows-per-task must be at least 1")
-        if self.num_gpus < 0 or self.num_cpus <= 0:
-            raise UsageError("--num-gpus must be >= 0 and --num-cpus > 0")
+        if not (0 <= self.num_gpus <= 1024 and 0 < self.num_cpus <= 1024):  # NaN fails both
+            raise UsageError(f"--num-gpus must be in 0..1024 and --num-cpus in (0, 1024] "
+                             f"(got {self.num_gpus} and {self.num_cpus})")
+        if self.actors > 100_000 or self.rows_per_task > 1_000_000:
+            raise UsageError("--actors is at most 100000 and --rows-per-task at most 1000000")
 
 
 def chunk_digest(ids: list[str]) -> str:

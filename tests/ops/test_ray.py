@@ -246,3 +246,12 @@ def test_the_quality_gate_runs_in_the_actors_as_in_run(tmp_path):
     assert sorted(f["id"] for f in failures) == sorted(r["id"] for r in data)
     assert {f["reason"] for f in failures} == {"qc: low_speech after 2 attempts"}
     assert (gated.stats["qc"]["retries"], gated.stats["qc"]["failed"]) == (6, 6)
+
+
+@pytest.mark.parametrize("options", [{"num_gpus": float("nan")}, {"num_cpus": float("nan")}, {"num_gpus": -1},
+                                     {"num_cpus": float("inf")}, {"actors": 10**9}])
+def test_ray_options_are_finite_and_bounded(options):
+    from cosybatch.errors import UsageError
+
+    with pytest.raises(UsageError, match="--num-gpus|--actors"):
+        RayOptions(**options)
