@@ -17,7 +17,7 @@ import numpy as np
 from ..config import RunConfig, cpu_count
 from ..corpus import Row
 from ..engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
-from ..errors import CosybatchError
+from ..errors import CosybatchError, PieceTooLong
 from ..plan import Batch, BudgetGuard, Unit, plan_batches
 from ..stats import BatchWork
 from ..voices import PoolEntry, language_family
@@ -143,7 +143,7 @@ def run_batch(engine: Engine, batch: Batch, guard: Optional[BudgetGuard] = None)
         except Exception as exc:
             # Keep only the message: the traceback holds the failed call's frames, and with them
             # its (GPU) tensors, which the retries below need freed.
-            error, oom = repr(exc), is_oom(exc)
+            error, oom = (str(exc) if isinstance(exc, PieceTooLong) else repr(exc)), is_oom(exc)
             exc.__traceback__ = None
             del exc
         if error is None:
