@@ -152,7 +152,14 @@ class PiperEngine(Engine):
 
     @classmethod
     def check(cls, voice: Optional[str], options: EngineOptions) -> dict:
-        return {"voice": resolve_voice(voice, options.engine.voice_dir)[0]}
+        """The voice's name, and its speakers ("speakers": their count, "speaker_names": the named
+        ones), which preflight checks a voice pool's VOICE#SPEAKER entries against."""
+        name, _, config_path = resolve_voice(voice, options.engine.voice_dir)
+        try:
+            config = VoiceConfig.load(config_path)
+        except Exception:  # the voice's loader reports a bad config with its own words at load
+            return {"voice": name}
+        return {"voice": name, "speakers": config.num_speakers, "speaker_names": sorted(config.speaker_id_map)}
 
     @classmethod
     def quantize(cls, voice: Optional[str], options: EngineOptions) -> dict:
@@ -336,9 +343,12 @@ class PiperEngine(Engine):
         """A voice pool's speaker of this voice (a name or an id) -> its id; RowRejected if it has none."""
         if speaker not in self._speakers:
             try:
+                if self.config.num_speakers <= 1:
+                    raise UsageError(f"voice {self.voice_name!r} has one speaker")
                 self._speakers[speaker] = self._speaker_id(speaker)
             except UsageError as exc:
-                raise RowRejected(str(exc)) from None
+                raise RowRejected(f"--voice-pool entry {self.voice_name}#{speaker}: {exc}; drop the entry or "
+                                  "name a speaker the voice has") from None
         return self._speakers[speaker]
 
     def estimate_seconds(self, piece: Piece) -> float:
