@@ -53,7 +53,7 @@ CUDA_PAD_MULTIPLE = 32
 # measured on en_US-joe-medium over the 120 rows of examples/corpus.parquet (26,803 ids; per
 # piece 1.94 to 2.78, 5th to 95th percentile). Other voices speak at their own rate.
 FRAMES_PER_ID = 2.14
-# The bounds of the prosody settings (docs/piper.md, "Prosody"), checked at `run --check`: Piper's
+# The bounds of the prosody settings (docs/piper.md, "Bounds"), checked at `run --check`: Piper's
 # own tools use length scales of about 0.5 to 2 and noise of 0 to 1; beyond these the model makes
 # no better speech, only longer clips and larger inputs.
 LENGTH_SCALE_BOUNDS = (0.25, 4.0)
