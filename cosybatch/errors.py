@@ -64,6 +64,12 @@ class OutputError(CosybatchError):
     exit_code = EXIT_INTERRUPTED
 
 
+class PieceTooLong(Exception):
+    """Raised by an engine's `synthesize` for a piece whose audio would run past the engine-level cap
+    (`cosybatch.engines.base.MAX_PIECE_SECONDS`), before its audio is allocated: the row fails with
+    the message, the job goes on."""
+
+
 class Interrupted(BaseException):
     """SIGINT or SIGTERM while no run is there to stop cleanly (start-up, a command other than a
     run). A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it, but not a

@@ -26,6 +26,9 @@ from typing import Any, Optional
 from .errors import UsageError
 
 MODES = ("hash", "balanced")
+# The most speakers one `VOICE#LOW-HIGH` range may name: checked before the range is expanded (the
+# largest Piper voices have about 900 speakers). A voice's own speaker count is checked at preflight.
+MAX_SPEAKER_RANGE = 10_000
 _LANGUAGE = re.compile(r"^[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*$")
 
 
@@ -147,8 +150,14 @@ def _speakers(text: str, flag: str, item: str) -> list[str]:
         raise UsageError(f"{flag}: {item!r} names no speaker after '#'")
     low, dash, high = text.partition("-")
     if dash and low.isdigit() and high.isdigit():
+        if len(low) > 9 or len(high) > 9:  # no int() of a huge digit string either
+            raise UsageError(f"{flag}: speaker range {text!r} in {item!r} names ids past any voice's speakers")
         if int(high) < int(low):
             raise UsageError(f"{flag}: speaker range {text!r} runs backwards")
+        count = int(high) - int(low) + 1
+        if count > MAX_SPEAKER_RANGE:
+            raise UsageError(f"{flag}: speaker range {text!r} in {item!r} names {count:,} speakers, over the "
+                             f"limit of {MAX_SPEAKER_RANGE:,} for one range; name the voice's own speakers")
         return [str(i) for i in range(int(low), int(high) + 1)]
     return [text]
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..errors import PieceTooLong
 from .flow.cfm import FlowInput
 from .lm.decoder import DecoderLM
 from .lm.slots import LMRequest, PoolStats, Sampling
@@ -176,6 +177,9 @@ class Pipeline:
     hift_batch: int
     segment_tokens: int
     cuda_graphs: bool = True
+    # No segment's audio may run longer (the engines' MAX_PIECE_SECONDS): checked on the speech tokens
+    # the LM made and the segment's speed, before the flow, the time stretch and the vocoder allocate it.
+    max_piece_seconds: float = float("inf")
     # The LM's pool statistics summed over every call (stats.json's engine_stats).
     totals: PoolStats = field(default_factory=PoolStats, init=False)
 
@@ -191,6 +195,13 @@ class Pipeline:
             made = record()
         with self._totals_lock:
             self.totals.add(lm_stats)
+        rate = self.t2w.config.token_frame_rate
+        for seg, made_tokens in zip(segs, tokens, strict=True):
+            seconds = len(made_tokens) / rate / seg.speed
+            if seconds > self.max_piece_seconds:
+                raise PieceTooLong(f"a segment would run {seconds:.0f} s ({len(made_tokens)} speech tokens at speed "
+                                   f"{seg.speed:g}), over the cap of {self.max_piece_seconds:g} s on one piece; "
+                                   "raise --speed or shorten the row")
         with self.streams.token2wav(made):
             return self._token2wav(segs, tokens), lm_stats, lm_info
 

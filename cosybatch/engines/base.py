@@ -26,6 +26,13 @@ import numpy as np
 from ..errors import CosybatchError, EngineError
 from ..plan import Unit
 
+# No setting (an option, a voice's own defaults, a drawn range) can make one piece's audio longer
+# than this: engines check a piece's predicted or produced length against it before allocating its
+# audio and fail the row with PieceTooLong (docs/writing-an-engine.md). A piece of Piper's longest
+# (600 phoneme ids) at the slowest length scale (4) is about 60 s; CosyVoice's longest segment at
+# speed 1 about 45 s.
+MAX_PIECE_SECONDS = 120.0
+
 
 class RowRejected(Exception):
     """Raised by `Engine.prepare` for a row the engine cannot synthesise; the message is the reason."""
@@ -237,9 +244,11 @@ class ScaleRange:
     high: float
 
     @classmethod
-    def parse(cls, value: Any, flag: str, minimum: float = 0.0, strict: bool = False) -> Optional[ScaleRange]:
+    def parse(cls, value: Any, flag: str, minimum: float = 0.0, strict: bool = False,
+              maximum: float = math.inf) -> Optional[ScaleRange]:
         """None, a number or "LOW:HIGH" -> a range (None stays None). Values below `minimum` (or at
-        it, with `strict`) raise UsageError naming `flag`."""
+        it, with `strict`) or above `maximum`, and values that are not finite, raise UsageError
+        naming `flag` and the bounds."""
         from ..errors import UsageError
 
         if value is None:
@@ -250,9 +259,11 @@ class ScaleRange:
             lo, hi = float(low), float(high if sep else low)
         except ValueError:
             raise UsageError(f"{flag} {text!r}: give a number (1.1) or a range LOW:HIGH (0.9:1.2)") from None
-        bad = (lambda v: v <= minimum) if strict else (lambda v: v < minimum)
+        bad = (lambda v: v <= minimum or v > maximum) if strict else (lambda v: v < minimum or v > maximum)
         if not (math.isfinite(lo) and math.isfinite(hi)) or bad(lo) or bad(hi) or hi < lo:
             bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+            if math.isfinite(maximum):
+                bound += f" and <= {maximum:g}"
             raise UsageError(f"{flag} {text!r}: values must be finite and {bound}, LOW <= HIGH")
         return cls(lo, hi)
 
@@ -269,6 +280,20 @@ class ScaleRange:
         if self.fixed:
             return self.low
         return round(self.low + (self.high - self.low) * row_uniform(job_seed, item_id, attempt, what), 4)
+
+
+def bounded(name: str, value: Optional[float], low: float, high: float, flag: Optional[str] = None) -> None:
+    """A numeric engine option inside [low, high] (None: unset, passes); UsageError naming it otherwise."""
+    from ..errors import UsageError
+
+    if value is None:
+        return
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or not low <= number <= high:
+        raise UsageError(f"{flag or '--engine-opt ' + name} {value!r}: must be between {low:g} and {high:g}")
 
 
 def _shown(value: Any) -> str:

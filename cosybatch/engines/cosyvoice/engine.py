@@ -32,7 +32,7 @@ from .. import (
     VoiceRequest,
     item_seed,
 )
-from ..base import Alias
+from ..base import MAX_PIECE_SECONDS, Alias, bounded
 from .setup import check_flow_backend, check_setup
 
 # GPU memory: what the pool leaves outside torch (cuDNN workspaces, the CUDA context's growth,
@@ -63,6 +63,17 @@ MAX_INSTRUCT_CHARS = 1000
 MAX_PROMPT_TEXT_CHARS = 1000
 # The speech tokens the LM may make per text token of a segment (its decode bound), plus the segment itself.
 LM_TOKENS_PER_TEXT_TOKEN = 21
+# Bounds of the numeric options, checked at `run --check` (docs/cosyvoice.md, "Bounds"): upstream's
+# speed is used at 0.5 to 2; past these the model makes no better speech, only longer inputs.
+SPEED_BOUNDS = (0.25, 4.0)
+OPTION_BOUNDS = {
+    "max_segment_tokens": (8, 400),
+    "max_instruct_chars": (1, 1_000_000),
+    "max_prompt_text_chars": (1, 1_000_000),
+    "lm_slots": (1, 1024),
+    "flow_batch": (1, 1024),
+    "hift_batch": (1, 1024),
+}
 
 
 @dataclass(frozen=True)
@@ -82,21 +93,23 @@ class CosyVoiceOptions:
     CosyVoice2 and 3 with any voice, CosyVoice-300M-Instruct with a built-in speaker."""
     speed: Optional[str] = None
     """Speaking speed (>1 is faster: the mel is resampled in time, as upstream's `speed`), a value or a range
-    LOW:HIGH (0.9:1.1) drawn per row; unset: 1."""
+    LOW:HIGH (0.9:1.1) drawn per row, each in [0.25, 4]; unset: 1."""
     precision: str = "fp32"
     """fp32, or bf16/fp16: the LM's and the flow's weights converted once at load (the vocoder stays fp32)."""
     max_segment_tokens: int = MAX_SEGMENT_TOKENS
-    """Text tokens per LM segment (upstream packs about 80)."""
+    """Text tokens per LM segment (upstream packs about 80), 8 to 400."""
     max_instruct_chars: int = MAX_INSTRUCT_CHARS
-    """Longest instruction (a row's instruct, or --instruct) in characters; a longer row fails with the reason."""
+    """Longest instruction (a row's instruct, or --instruct) in characters, 1 to 1,000,000; a longer row fails
+    with the reason."""
     max_prompt_text_chars: int = MAX_PROMPT_TEXT_CHARS
-    """Longest prompt transcript (a row's prompt_text, or --prompt-text) in characters; a longer row fails."""
+    """Longest prompt transcript (a row's prompt_text, or --prompt-text) in characters, 1 to 1,000,000; a longer
+    row fails."""
     lm_slots: Optional[int] = None
-    """Decode slots of the LM (continuous batching); unset: 16 on CPU, 64 on CUDA."""
+    """Decode slots of the LM (continuous batching), 1 to 1024; unset: 16 on CPU, 64 on CUDA."""
     flow_batch: Optional[int] = None
-    """Most items per flow call, grouped by their real token counts; unset: 1 on CPU, 32 on CUDA."""
+    """Most items per flow call, grouped by their real token counts, 1 to 1024; unset: 1 on CPU, 32 on CUDA."""
     hift_batch: Optional[int] = None
-    """Most items per vocoder call, grouped by length; unset: 1 on CPU, 32 on CUDA."""
+    """Most items per vocoder call, grouped by length, 1 to 1024; unset: 1 on CPU, 32 on CUDA."""
     cuda_graphs: bool = True
     """Replay the LM's decode step from CUDA graphs (CUDA only; false: eager)."""
     flow_backend: str = "torch"
@@ -111,10 +124,10 @@ class CosyVoiceOptions:
             raise UsageError(f"--precision must be fp32, bf16 or fp16 (got {self.precision!r})")
         if self.flow_backend not in ("torch", "onnx", "tensorrt"):
             raise UsageError(f"--engine-opt flow_backend must be torch, onnx or tensorrt (got {self.flow_backend!r})")
-        ScaleRange.parse(self.speed, "--speed", strict=True)
-        for name in ("lm_slots", "flow_batch", "hift_batch", "max_instruct_chars", "max_prompt_text_chars"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise UsageError(f"--engine-opt {name} must be at least 1 (got {getattr(self, name)})")
+        ScaleRange.parse(self.speed, "--speed", minimum=SPEED_BOUNDS[0], maximum=SPEED_BOUNDS[1])
+        for name, (low, high) in OPTION_BOUNDS.items():
+            flag = f"--{name.replace('_', '-')}" if name.startswith("max_") and name != "max_segment_tokens" else None
+            bounded(name, getattr(self, name), low, high, flag)
 
 
 class CosyVoiceEngine(Engine):
@@ -209,7 +222,7 @@ class CosyVoiceEngine(Engine):
             self.t2w = Token2Wav(config, self.device, precision, flow_backend=opts.flow_backend)
             self.pipeline = Pipeline(self.lm, self.sampling, self.t2w, self.lm_slots, self.flow_batch,
                                      self.hift_batch, self._tokens_per_text_token() * self.max_segment_tokens,
-                                     self.cuda_graphs)
+                                     self.cuda_graphs, max_piece_seconds=MAX_PIECE_SECONDS)
         except FlowBackendError as exc:
             raise UsageError(f"--engine-opt flow_backend={opts.flow_backend}: {exc}") from None
         except (ModelDirError, OSError, ValueError, TokenizerNotInstalled) as exc:
@@ -227,7 +240,7 @@ class CosyVoiceEngine(Engine):
         from ...corpus import clean_text
 
         self.default_instruct = clean_text(opts.instruct) or None if opts.instruct is not None else None
-        self.speed = ScaleRange.parse(opts.speed, "--speed", strict=True)
+        self.speed = ScaleRange.parse(opts.speed, "--speed", minimum=SPEED_BOUNDS[0], maximum=SPEED_BOUNDS[1])
         if self.speed is not None and self.speed.describe() == 1.0:
             self.speed = None  # 1 is no change (and the fingerprint of a job without it)
         from ...cosyvoice.family import variant

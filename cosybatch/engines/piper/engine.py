@@ -22,9 +22,10 @@ from typing import Optional
 import numpy as np
 
 from ...cache import file_sha256
-from ...errors import UsageError, VoiceError
+from ...errors import PieceTooLong, UsageError, VoiceError
 from ...plan import Unit
 from ..base import (
+    MAX_PIECE_SECONDS,
     Alias,
     Engine,
     EngineOptions,
@@ -34,6 +35,7 @@ from ..base import (
     ScaleRange,
     Synthesised,
     VoiceRequest,
+    bounded,
     item_seed,
 )
 from .graph import SCALES_INPUT, patch_graph
@@ -51,6 +53,14 @@ CUDA_PAD_MULTIPLE = 32
 # measured on en_US-joe-medium over the 120 rows of examples/corpus.parquet (26,803 ids; per
 # piece 1.94 to 2.78, 5th to 95th percentile). Other voices speak at their own rate.
 FRAMES_PER_ID = 2.14
+# The bounds of the prosody settings (docs/piper.md, "Bounds"), checked at `run --check`: Piper's
+# own tools use length scales of about 0.5 to 2 and noise of 0 to 1; beyond these the model makes
+# no better speech, only longer clips and larger inputs.
+LENGTH_SCALE_BOUNDS = (0.25, 4.0)
+NOISE_BOUNDS = (0.0, 2.0)  # noise_scale and noise_w
+SCALE_BOUNDS = {"noise_scale": NOISE_BOUNDS, "length_scale": LENGTH_SCALE_BOUNDS, "noise_w": NOISE_BOUNDS}
+MAX_PIECE_IDS_BOUNDS = (8, 2000)
+PAD_MULTIPLE_BOUNDS = (1, 256)
 
 
 @dataclass(frozen=True)
@@ -79,18 +89,19 @@ class PiperOptions:
     speaker: Optional[str] = None
     """Speaker name or id for multi-speaker voices."""
     noise_scale: Optional[str] = None
-    """Generator noise, a value or a range LOW:HIGH drawn per row; unset: the voice's default."""
+    """Generator noise, a value or a range LOW:HIGH drawn per row, each in [0, 2]; unset: the voice's default."""
     length_scale: Optional[str] = None
-    """Speaking-rate factor (>1 is slower), a value or a range LOW:HIGH (0.9:1.2) drawn per row;
-    unset: the voice's default."""
+    """Speaking-rate factor (>1 is slower), a value or a range LOW:HIGH (0.9:1.2) drawn per row,
+    each in [0.25, 4]; unset: the voice's default."""
     noise_w: Optional[str] = None
-    """Duration noise, a value or a range LOW:HIGH drawn per row; unset: the voice's default."""
+    """Duration noise, a value or a range LOW:HIGH drawn per row, each in [0, 2]; unset: the voice's default."""
     conv2d: Optional[bool] = None
     """Run 1-D convolutions as 2-D ones (same result, ~1.2x faster on CPU); unset: on for CPU."""
     pad_multiple: Optional[int] = None
-    """Pad the phoneme axis to a multiple of this (CUDA reuses fewer shapes); unset: 1 on CPU, 32 on CUDA."""
+    """Pad the phoneme axis to a multiple of this, 1 to 256 (CUDA reuses fewer shapes); unset: 1 on CPU,
+    32 on CUDA."""
     max_piece_ids: int = MAX_PIECE_IDS
-    """Split longer sentences at clause, then word boundaries."""
+    """Split longer sentences at clause, then word boundaries; 8 to 2000 phoneme ids."""
     two_stage: Optional[bool] = None
     """Run the graph in two stages: text encoder + durations on the batch, then flow + decoder on
     groups regrouped by real frame counts (docs/piper.md: "Two-stage batches"). Unset: two stages for
@@ -104,8 +115,8 @@ class PiperOptions:
 
     def __post_init__(self) -> None:
         self.ranges()  # each a number or LOW:HIGH, in bounds
-        if (self.pad_multiple is not None and self.pad_multiple < 1) or self.max_piece_ids < 8:
-            raise UsageError("pad_multiple must be at least 1 and max_piece_ids at least 8")
+        bounded("pad_multiple", self.pad_multiple, *PAD_MULTIPLE_BOUNDS)
+        bounded("max_piece_ids", self.max_piece_ids, *MAX_PIECE_IDS_BOUNDS)
         if not 0.0 <= self.stage2_efficiency <= 1.0:
             raise UsageError("stage2_efficiency must be between 0 and 1")
         if self.precision not in ("fp32", "int8"):
@@ -114,7 +125,8 @@ class PiperOptions:
     def ranges(self) -> dict:
         """noise_scale, length_scale, noise_w -> ScaleRange (None: the voice's default)."""
         return {name: ScaleRange.parse(getattr(self, name), f"--{name.replace('_', '-')}",
-                                       strict=name == "length_scale") for name in SCALE_NAMES}
+                                       minimum=SCALE_BOUNDS[name][0], maximum=SCALE_BOUNDS[name][1])
+                for name in SCALE_NAMES}
 
 
 SCALE_NAMES = ("noise_scale", "length_scale", "noise_w")  # the order of the model's `scales` input
@@ -140,7 +152,14 @@ class PiperEngine(Engine):
 
     @classmethod
     def check(cls, voice: Optional[str], options: EngineOptions) -> dict:
-        return {"voice": resolve_voice(voice, options.engine.voice_dir)[0]}
+        """The voice's name, and its speakers ("speakers": their count, "speaker_names": the named
+        ones), which preflight checks a voice pool's VOICE#SPEAKER entries against."""
+        name, _, config_path = resolve_voice(voice, options.engine.voice_dir)
+        try:
+            config = VoiceConfig.load(config_path)
+        except Exception:  # the voice's loader reports a bad config with its own words at load
+            return {"voice": name}
+        return {"voice": name, "speakers": config.num_speakers, "speaker_names": sorted(config.speaker_id_map)}
 
     @classmethod
     def quantize(cls, voice: Optional[str], options: EngineOptions) -> dict:
@@ -162,6 +181,9 @@ class PiperEngine(Engine):
             raise VoiceError(f"voice {self.voice_name!r}: phoneme type {self.config.phoneme_type!r} "
                              "is not supported (espeak and text are)")
         self.sample_rate = self.config.sample_rate
+        # The decoder frames one piece may have (MAX_PIECE_SECONDS): the noise is never drawn longer,
+        # so a longer piece fails in the graph's duration stage, before its audio is allocated.
+        self.max_piece_frames = int(MAX_PIECE_SECONDS * self.sample_rate / self.config.hop)
         self.scripts = voice_scripts(self.config.espeak_voice)
         self.seed = options.seed
         defaults = {"noise_scale": self.config.noise_scale, "length_scale": self.config.length_scale,
@@ -240,11 +262,20 @@ class PiperEngine(Engine):
     def _probe_noise_channels(self) -> tuple[int, ...]:
         """Run a two-phoneme input once to learn each noise tensor's channel count."""
         ids = np.array([[1, 0, 2]], dtype=np.int64)
-        feeds = self._feeds(ids, np.array([3], dtype=np.int64))
+        feeds = self._neutral_scales(self._feeds(ids, np.array([3], dtype=np.int64)))
         for name in self._graph.noise_inputs:
             feeds[name] = np.zeros((1, 1024, 4096), dtype=np.float32)
         shapes = self._session.run([f"{n}_shape" for n in self._graph.noise_inputs], feeds)
         return tuple(int(s[1]) for s in shapes)
+
+    def _neutral_scales(self, feeds: dict) -> dict:
+        """Probe feeds at length scale 1: a probe learns shapes, and the voice's own length scale
+        (its .onnx.json, which no option bounds) must not make it run past its noise."""
+        name = SCALES_INPUT if self._graph.per_item_scales else "scales"
+        scales = np.array(feeds[name], dtype=np.float32, copy=True)
+        scales[..., 1] = 1.0
+        feeds[name] = scales
+        return feeds
 
     def _feeds(self, ids: np.ndarray, lengths: np.ndarray, pieces: Optional[Sequence[PhonemeIds]] = None) -> dict:
         """The graph's inputs besides the noise; each piece's own scales and speaker where it has them."""
@@ -312,9 +343,12 @@ class PiperEngine(Engine):
         """A voice pool's speaker of this voice (a name or an id) -> its id; RowRejected if it has none."""
         if speaker not in self._speakers:
             try:
+                if self.config.num_speakers <= 1:
+                    raise UsageError(f"voice {self.voice_name!r} has one speaker")
                 self._speakers[speaker] = self._speaker_id(speaker)
             except UsageError as exc:
-                raise RowRejected(str(exc)) from None
+                raise RowRejected(f"--voice-pool entry {self.voice_name}#{speaker}: {exc}; drop the entry or "
+                                  "name a speaker the voice has") from None
         return self._speakers[speaker]
 
     def estimate_seconds(self, piece: Piece) -> float:
@@ -329,7 +363,8 @@ class PiperEngine(Engine):
         rates = [p.scales[1] if p.scales else self.length_scale for p in pieces]
         for k, (name, on_frames) in enumerate(zip(self._graph.noise_inputs, self._graph.noise_on_frames, strict=True)):
             if on_frames:
-                times = [int(n * frame_allowance * max(rate, 0.1)) + 64 for n, rate in zip(lengths, rates, strict=True)]
+                times = [min(self.max_piece_frames, int(n * frame_allowance * max(rate, 0.1)) + 64)
+                         for n, rate in zip(lengths, rates, strict=True)]
             else:
                 times = lengths
             width = max(times) if on_frames else input_width  # the phoneme axis may be padded
@@ -374,15 +409,34 @@ class PiperEngine(Engine):
                 break
             except _ort_errors():
                 # The noise slice was shorter than the frames this batch needs: a very slow
-                # speaking rate. Rerun with four times the allowance.
+                # speaking rate. Rerun with four times the allowance, up to the cap on a piece.
+                if self._noise_at_cap(pieces, allowance):
+                    raise PieceTooLong(self._too_long(pieces, None)) from None
                 if attempt == 2:
                     raise
                 allowance *= 4
         frames = frames.reshape(-1)
+        if int(frames.max()) > self.max_piece_frames:
+            raise PieceTooLong(self._too_long(pieces, int(frames.max())))
         hop = self.config.hop
         audio = audio.reshape(len(pieces), -1)
         out = [audio[i, : int(frames[i]) * hop].astype(np.float32, copy=True) for i in range(len(pieces))]
         return Synthesised(out, real_frames=int(frames.sum()), padded_frames=int(frames.max()) * len(pieces))
+
+    def _noise_at_cap(self, pieces: Sequence[PhonemeIds], allowance: float) -> bool:
+        rates = [p.scales[1] if p.scales else self.length_scale for p in pieces]
+        return any(int(len(p.ids) * allowance * max(rate, 0.1)) + 64 >= self.max_piece_frames
+                   for p, rate in zip(pieces, rates, strict=True))
+
+    def _too_long(self, pieces: Sequence[PhonemeIds], frames: Optional[int]) -> str:
+        """Why a piece fails the cap on one piece's length (MAX_PIECE_SECONDS)."""
+        hop, rate = self.config.hop, self.sample_rate
+        made = f"{frames * hop / rate:.0f} s" if frames is not None else "more"
+        used = pieces[0].scales or (self.noise_scale, self.length_scale, self.noise_w)
+        scales = ", ".join(f"{n} {v:g}" for n, v in zip(SCALE_NAMES, used, strict=True))
+        which = f" ({scales})" if len(pieces) == 1 else ""
+        return (f"a piece would run {made}, over the cap of {MAX_PIECE_SECONDS:g} s on one piece{which}; "
+                "lower --length-scale or --noise-w (the voice's own defaults count too), or --engine-opt max_piece_ids")
 
     # -- two stages (split.py) ----------------------------------------------------------------
     def _use_two_stage(self, batch: int) -> bool:
@@ -413,7 +467,7 @@ class PiperEngine(Engine):
         ids = np.zeros((len(lengths), width), dtype=np.int64)
         for i, n in enumerate(lengths):
             ids[i, :n] = [1, 0, 2, 0, 3, 0, 4, 0, 5][:n]
-        feeds = self._feeds(ids, np.array(lengths, dtype=np.int64))
+        feeds = self._neutral_scales(self._feeds(ids, np.array(lengths, dtype=np.int64)))
         for k, name in enumerate(self._graph.noise_inputs):
             if not self._graph.noise_on_frames[k]:
                 feeds[name] = np.zeros((len(lengths), self._channels[k], width), dtype=np.float32)
@@ -429,6 +483,8 @@ class PiperEngine(Engine):
             if not self._graph.noise_on_frames[k]:
                 feeds[name] = self._noise_input(pieces, k, lengths, width)
         carried, frames = stages.align(feeds)
+        if int(max(frames)) > self.max_piece_frames:  # known before the decoder allocates the audio
+            raise PieceTooLong(self._too_long(pieces, int(max(frames))))
         out: list = [None] * len(pieces)
         padded = 0
         hop = self.config.hop
