@@ -82,7 +82,7 @@ def open_corpus(cfg: RunConfig) -> Corpus:
         id=cfg.id_col or "id", text=cfg.text_col, voice=cfg.voice_col or "voice",
         id_required=cfg.id_col is not None, voice_required=cfg.voice_col is not None,
         # An engine may read another column as the voice when there is no voice column.
-        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.format)
+        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.format, max_chars=cfg.max_chars)
 
 
 def check_pool_voices(cfg: RunConfig, device: Optional[str] = None) -> None:
