@@ -10,8 +10,11 @@ any work starts.
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import os
 import re
+import secrets
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -27,6 +30,19 @@ PARQUET_BATCH_ROWS = 4096
 JSONL_SNIFF_ROWS = 100
 CSV_BLOCK_BYTES = 1 << 20  # how much of a CSV file pyarrow parses at a time
 FORMATS = ("parquet", "jsonl", "csv", "tsv", "text")
+DEFAULT_MAX_CHARS = 20000  # RunConfig.max_chars's default
+# A row is bounded while it is read, before any string or JSON object is built of it: a JSONL or
+# text line, a CSV record or a Parquet cell over row_bytes(--max-chars) is a bad row, skipped
+# unread. 16 bytes a character leaves room for JSON escapes (\uXXXX is 6 bytes, a surrogate pair 12),
+# whitespace that cleaning collapses and the row's other fields; no cap is under 1 MiB.
+BYTES_PER_CHAR = 16
+MIN_ROW_BYTES = 1 << 20
+SCAN_CHUNK = 1 << 20
+
+
+def row_bytes(max_chars: int) -> int:
+    """The most bytes (characters, for a text line) one row may take in the file with --max-chars."""
+    return max(MIN_ROW_BYTES, BYTES_PER_CHAR * max_chars)
 
 
 @dataclass(frozen=True)
@@ -103,12 +119,16 @@ def detect_format(path: Path, fmt: Optional[str] = None) -> str:
 class Corpus:
     """A corpus file with its column mapping. Iterating yields `Row` and `BadRow` in file order."""
 
-    def __init__(self, path: Union[str, Path], columns: Columns = Columns(), fmt: Optional[str] = None):
+    def __init__(self, path: Union[str, Path], columns: Columns = Columns(), fmt: Optional[str] = None,
+                 max_chars: int = DEFAULT_MAX_CHARS):
         self.path = Path(path)
         if not self.path.is_file():
             raise CorpusError(f"{self.path}: no such corpus file")
         self.columns = columns
         self.format = detect_format(self.path, fmt)
+        self.max_chars = max_chars
+        self.row_bytes = row_bytes(max_chars)
+        self._oversized: list[tuple[int, int, int]] = []  # CSV/TSV records over row_bytes: (start, end, line)
         self._has_id = True
         self._has_voice = False
         self._prompt_cols: tuple[str, ...] = ()
@@ -126,6 +146,13 @@ class Corpus:
     def _check_names(self, names: list[str], where: str) -> None:
         """The columns every tabular format must have, by name (`where`: " in the CSV header")."""
         c = self.columns
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise CorpusError(
+                f"{self.path}: the column {twice[0]!r} appears {names.count(twice[0])} times{where} (columns: "
+                f"{names}); only one of them would be read, and which is not for cosybatch to guess. Rename or "
+                "drop the extra columns so that every column name is used once."
+            )
         if c.text not in names:
             raise CorpusError(
                 f"{self.path}: no text column {c.text!r}{where}; columns found: {names}. "
@@ -184,9 +211,45 @@ class Corpus:
                                   newlines_in_values=not tsv, invalid_row_handler=on_invalid)
         convert = pcsv.ConvertOptions(column_types=column_types or {}, strings_can_be_null=False,
                                       quoted_strings_can_be_null=False)
-        return pcsv.open_csv(self.path, read_options=pcsv.ReadOptions(use_threads=False,
-                                                                      block_size=CSV_BLOCK_BYTES),
+        # Every record left is at most row_bytes long (longer ones are replaced, below), so it fits a block.
+        block = max(CSV_BLOCK_BYTES, 2 * self.row_bytes)
+        source = _Replacing(self._open_bytes(), self._oversized, self._placeholder) if self._oversized \
+            else self.path
+        return pcsv.open_csv(source, read_options=pcsv.ReadOptions(use_threads=False, block_size=block),
                              parse_options=parse, convert_options=convert)
+
+    def _open_bytes(self):
+        """The file's bytes (decompressed for .gz)."""
+        return gzip.open(self.path, "rb") if self.path.name.lower().endswith(".gz") else open(self.path, "rb")
+
+    def _placeholder(self, start: int, end: int, line: int) -> bytes:
+        """What an over-long record is read as: a record of the header's width whose first field
+        names it (with this reader's nonce, so no field in a file can pass for one)."""
+        return b"%s%d:%d" % (self._marker, line, end - start) + b"," * (self._width - 1) if self.format == "csv" \
+            else b"%s%d:%d" % (self._marker, line, end - start) + b"\t" * (self._width - 1)
+
+    def _scan_records(self) -> None:
+        """One pass over a CSV/TSV file's bytes before any work: an unterminated quote refuses the file
+        (pyarrow would close it at the end, making the records after it part of a text), and records
+        over row_bytes are noted, to be read as bad rows without their bytes."""
+        key = (str(self.path.resolve()), *_stat_key(self.path), self.row_bytes, self.format)
+        found = _SCANNED.get(key)
+        if found is None:
+            try:
+                with self._open_bytes() as f:
+                    found = _scan_csv(f, quoting=self.format == "csv", cap=self.row_bytes)
+            except (OSError, EOFError) as exc:
+                raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
+            _SCANNED.clear()  # one file's scan is kept: a job opens its corpus more than once
+            _SCANNED[key] = found
+        oversized, open_quote = found
+        if open_quote is not None:
+            raise CorpusError(
+                f"{self.path}: line {open_quote} opens a quoted field that is never closed: every record "
+                "after it would be read as part of that text. Close the quote (a quote inside a quoted "
+                'field is written twice: ""), or drop the stray one.'
+            )
+        self._oversized = oversized
 
     def _check_csv_header(self) -> None:
         import pyarrow as pa
@@ -197,6 +260,9 @@ class Corpus:
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorpusError(f"{self.path}: not a readable {kind} file with a header line ({exc})") from exc
         self._check_names(names, f" in the {kind} header")
+        self._width = len(names)
+        self._marker = b"\x01cosybatch-over-" + secrets.token_hex(8).encode() + b":"
+        self._scan_records()
 
     def _check_text(self) -> None:
         c = self.columns
@@ -219,9 +285,11 @@ class Corpus:
         with_voice = 0
         with_prompt = {c.prompt_wav: 0, c.prompt_text: 0, c.instruct: 0, c.language: 0}
         try:
-            for _, line in _jsonl_lines(self.path):
+            for _, line in _jsonl_lines(self.path, self.row_bytes):
                 if objects >= JSONL_SNIFF_ROWS:
                     break
+                if isinstance(line, _Oversized):
+                    continue
                 try:
                     obj = json.loads(line)
                 except (ValueError, UnicodeDecodeError):
@@ -269,11 +337,14 @@ class Corpus:
             return None  # a CSV field may hold newlines: only reading it counts its rows
         count = 0
         last = b"\n"
+        text = self.format == "text"  # a lone CR ends a line of text too (see _text_lines)
         with open(self.path, "rb") as f:
             while chunk := f.read(1 << 20):
                 count += chunk.count(b"\n")
+                if text:
+                    count += chunk.count(b"\r") - chunk.count(b"\r\n")
                 last = chunk[-1:]
-        return count + (last != b"\n")
+        return count + (last not in (b"\n", b"\r") if text else last != b"\n")
 
     def __iter__(self) -> Iterator[Union[Row, BadRow]]:
         """Every readable row, in file order. A part of the file that cannot be read (a corrupt
@@ -286,11 +357,11 @@ class Corpus:
             yield from self._iter_csv()
             return
         last = -1
+        text = self.format == "text"
         try:
-            for index, line in _jsonl_lines(self.path):
+            for index, line in (_text_lines if text else _jsonl_lines)(self.path, self.row_bytes):
                 last = index
-                yield self.row_from_text_line(index, line) if self.format == "text" else \
-                    self.row_from_json_line(index, line)
+                yield self.row_from_text_line(index, line) if text else self.row_from_json_line(index, line)
         except (OSError, EOFError) as exc:
             raise CorpusError(f"{self.path}: reading failed after line {last + 1} ({exc}); the file is "
                               "truncated or corrupt.") from exc
@@ -310,7 +381,7 @@ class Corpus:
             try:
                 for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group],
                                                columns=self.read_columns):
-                    yield from self.rows_from_columns(batch.to_pydict(), index)
+                    yield from self.rows_from_batch(batch, index)
                     index += batch.num_rows
             except (OSError, pa.ArrowException) as exc:
                 unreadable.append(f"rows {index}-{first + rows - 1} (row group {group + 1} of {groups}: "
@@ -342,7 +413,11 @@ class Corpus:
             except (OSError, pa.ArrowException) as exc:
                 raise CorpusError(f"{self.path}: reading failed after row {index} ({str(exc)[:200]}); the file "
                                   "is truncated or corrupt there.") from exc
-            yield from self.rows_from_columns(batch.to_pydict(), index)
+            data = batch.to_pydict()
+            if self._oversized:
+                yield from self._marked(data, names[0], index)
+            else:
+                yield from self.rows_from_columns(data, index)
             index += batch.num_rows
             for row in invalid:
                 where = f"record {row.number} (the header is record 1)" \
@@ -352,10 +427,30 @@ class Corpus:
                 index += 1
             invalid.clear()
 
-    def row_from_text_line(self, index: int, line: bytes) -> Union[Row, BadRow]:
-        """One line of a plain-text corpus: the text, with its 1-based line number as id."""
+    def _marked(self, data: dict, first: str, index: int) -> Iterator[Union[Row, BadRow]]:
+        """A CSV batch's rows, the placeholders of over-long records as bad rows."""
+        marks = data[first]
+        marker = self._marker.decode()
+        for k, row in enumerate(self.rows_from_columns(data, index)):
+            mark = marks[k]
+            if isinstance(mark, str) and mark.startswith(marker):
+                line, size = mark[len(marker):].split(":")
+                yield BadRow(row.index, None, self._too_long(f"the record on line {line}", int(size), "bytes"))
+            else:
+                yield row
+
+    def _too_long(self, what: str, size: int, unit: str) -> str:
+        return (f"{what} is {size} {unit}, over the {self.row_bytes} {unit} a row may take with --max-chars "
+                f"{self.max_chars}; it was skipped unread. Split the row, or raise --max-chars")
+
+    def row_from_text_line(self, index: int, line: Union[str, bytes]) -> Union[Row, BadRow]:
+        """One line of a plain-text corpus: the text, with its 1-based line number as id. A str line
+        holds the bytes that are not UTF-8 as surrogate escapes."""
+        if isinstance(line, _Oversized):
+            return BadRow(index, str(index + 1), self._too_long(f"line {index + 1}", line.size, "characters"))
         try:
-            text = line.decode("utf-8")
+            text = line.decode("utf-8") if isinstance(line, bytes) else \
+                line if _encodable(line) else line.encode("utf-8", "surrogateescape").decode("utf-8")
         except UnicodeDecodeError as exc:
             return BadRow(index, str(index + 1), f"line {index + 1} is not valid UTF-8 ({exc.reason} at byte "
                                                  f"{exc.start})")
@@ -364,10 +459,15 @@ class Corpus:
     def row_from_json_line(self, index: int, line: bytes) -> Union[Row, BadRow]:
         """One JSONL line (raw bytes, so bad UTF-8 is this line's problem only) -> Row or BadRow."""
         c = self.columns
+        if isinstance(line, _Oversized):
+            return BadRow(index, None, self._too_long(f"line {index + 1}", line.size, "bytes"))
         try:
-            obj = json.loads(line.decode("utf-8"))
+            obj = json.loads(line.decode("utf-8"), object_pairs_hook=_unique_keys)
         except UnicodeDecodeError as exc:
             return BadRow(index, None, f"line {index + 1} is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+        except _DuplicateKey as exc:
+            return BadRow(index, None, f"line {index + 1} has the key {exc.key!r} twice in one object: only one "
+                                       "value would be read; keep one")
         except ValueError as exc:
             return BadRow(index, None, f"line {index + 1} is not valid JSON ({exc})")
         if not isinstance(obj, dict):
@@ -380,6 +480,35 @@ class Corpus:
         # instruct and language are read on every line: a field first seen after the sniffed lines still counts.
         return _make_row(index, raw_id, obj[c.text], voice, prompts.get(c.prompt_wav), prompts.get(c.prompt_text),
                          obj.get(c.instruct), obj.get(c.language))
+
+    def rows_from_batch(self, batch, first_index: int) -> Iterator[Union[Row, BadRow]]:
+        """Rows from an Arrow record batch of a Parquet corpus. A cell over row_bytes is measured in
+        Arrow (its byte length) and never becomes a Python string: its row is a bad row."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        over, lengths, bigs = None, {}, {}
+        for name in batch.schema.names:
+            col = batch.column(name)
+            if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
+                    or pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)):
+                continue
+            lengths[name] = pc.binary_length(col)
+            big = bigs[name] = pc.fill_null(pc.greater(lengths[name], self.row_bytes), False)
+            over = big if over is None else pc.or_(over, big)
+        if over is None or not pc.any(over).as_py():
+            yield from self.rows_from_columns(batch.to_pydict(), first_index)
+            return
+        flags = over.to_pylist()
+        cleared = pa.RecordBatch.from_arrays(
+            [pc.if_else(bigs[name], pa.nulls(len(batch), batch.column(i).type), batch.column(i)) if name in bigs
+             else batch.column(i) for i, name in enumerate(batch.schema.names)], schema=batch.schema)
+        for k, row in enumerate(self.rows_from_columns(cleared.to_pydict(), first_index)):
+            if not flags[k]:
+                yield row
+                continue
+            name, size = max(((n, lengths[n][k].as_py() or 0) for n in lengths), key=lambda x: x[1])
+            yield BadRow(row.index, row.id, self._too_long(f"row {row.index}'s {name!r} column", size, "bytes"))
 
     def rows_from_columns(self, data: dict, first_index: int) -> Iterator[Union[Row, BadRow]]:
         """Rows from a column batch {name: list} of a Parquet corpus, numbered from first_index."""
@@ -414,16 +543,195 @@ class Corpus:
         return self._fingerprint
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+class _Oversized:
+    """A line over the cap, read through in pieces and never kept: its size."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def _capped_lines(f, cap: int, newline) -> Iterator[tuple[int, Union[bytes, str, _Oversized]]]:
+    """(0-based line number, line) for every line of `f` (binary or text); a line over `cap`
+    (bytes or characters, its line break aside) is an _Oversized, so memory stays within the cap."""
+    index = 0
+    while line := f.readline(cap + 1):
+        if len(line) > cap and not line.endswith(newline):
+            size = len(line)
+            while (more := f.readline(SCAN_CHUNK)) and not more.endswith(newline):
+                size += len(more)
+            yield index, _Oversized(size + len(more.rstrip(newline)))
+        else:
+            yield index, line
+        index += 1
+
+
+def _jsonl_lines(path: Path, cap: int = MIN_ROW_BYTES) -> Iterator[tuple[int, Union[bytes, _Oversized]]]:
     """Yield (0-based line number, raw line) for non-blank lines; bytes so bad UTF-8 is per line.
-    A UTF-8 byte order mark before the first line (as some Windows tools write) is skipped."""
+    A UTF-8 byte order mark before the first line (as some Windows tools write) is skipped. JSON
+    Lines ends a line at LF only (a CR before it is JSON whitespace)."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rb") as f:
-        for index, line in enumerate(f):
+        for index, line in _capped_lines(f, cap, b"\n"):
+            if isinstance(line, _Oversized):
+                yield index, line
+                continue
             if index == 0 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]
             if line.strip():
                 yield index, line
+
+
+def _text_lines(path: Path, cap: int = MIN_ROW_BYTES) -> Iterator[tuple[int, Union[str, _Oversized]]]:
+    """A plain-text corpus's non-blank lines. CRLF, LF and a lone CR each end a line (universal
+    newlines, as Python's text mode and the usual editors read text): a file from classic Mac OS
+    tools is as many rows as it has lines, not one. Bytes that are not UTF-8 are kept as surrogate
+    escapes, so that only their line fails."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as raw:
+        f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None)
+        for index, line in _capped_lines(f, cap, "\n"):
+            if isinstance(line, _Oversized):
+                yield index, line
+                continue
+            if index == 0 and line.startswith("\ufeff"):
+                line = line[1:]
+            if line.strip(" \t\n\r\x0b\x0c"):
+                yield index, line
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json's object_pairs_hook: an object with a key twice is refused (json keeps the last silently)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+_SCANNED: dict = {}
+
+
+def _stat_key(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _breaks(buf: bytes, start: int, end: int) -> int:
+    """Line breaks in buf[start:end]: LF, CRLF and a lone CR, as pyarrow's CSV reader counts them."""
+    return buf.count(b"\n", start, end) + buf.count(b"\r", start, end) - buf.count(b"\r\n", start, end)
+
+
+_CSV_TOKENS = re.compile(rb'["\r\n]')
+_TSV_TOKENS = re.compile(rb"[\r\n]")
+
+
+def _scan_csv(f, quoting: bool, cap: int) -> tuple[list[tuple[int, int, int]], Optional[int]]:
+    """A CSV/TSV stream's records as pyarrow's reader splits them (a quote opens a quoted field only
+    at a field's start; "" inside one is a quote; CRLF, LF and CR end records outside quotes):
+    ([(start, end, line) of each record over `cap` bytes], the line of a quote never closed or None)."""
+    tokens = _CSV_TOKENS if quoting else _TSV_TOKENS
+    oversized: list[tuple[int, int, int]] = []
+    base, line, start, start_line = 0, 1, 0, 1
+    in_quote, quote_line, pending_quote, prev = False, 0, False, 0x0A
+    while chunk := f.read(SCAN_CHUNK):
+        n, p = len(chunk), 0
+        if base == 0 and chunk.startswith(b"\xef\xbb\xbf"):
+            p = 3  # a byte order mark: the first field starts after it
+        if pending_quote:  # the last chunk ended on a quote inside a quoted field
+            pending_quote = False
+            if chunk[0] == 0x22:
+                p = 1  # "" : a quote in the text
+            else:
+                in_quote = False
+        while p < n:
+            if in_quote:
+                q = chunk.find(b'"', p)
+                if q < 0:
+                    line += _breaks(chunk, p, n)
+                    break
+                line += _breaks(chunk, p, q)
+                if q + 1 == n:
+                    pending_quote = True
+                    break
+                if chunk[q + 1] == 0x22:
+                    p = q + 2
+                else:
+                    in_quote, p = False, q + 1
+                continue
+            m = tokens.search(chunk, p)
+            if m is None:
+                break
+            t = m.start()
+            before = chunk[t - 1] if t > 0 else prev
+            if chunk[t] == 0x22:
+                if before in (0x2C, 0x0A, 0x0D) or (base == 0 and t == 3 and p == 3):
+                    in_quote, quote_line = True, line
+                p = t + 1
+                continue
+            end = base + t  # a line break outside quotes: the record ends here
+            if end - start > cap:
+                oversized.append((start, end, start_line))
+            if not (chunk[t] == 0x0A and before == 0x0D):
+                line += 1
+            start, start_line, p = end + 1, line, t + 1
+        prev = chunk[-1]
+        base += n
+    if pending_quote:
+        in_quote = False
+    if in_quote:
+        return oversized, quote_line
+    if base - start > cap:
+        oversized.append((start, base, start_line))
+    return oversized, None
+
+
+class _Replacing(io.RawIOBase):
+    """A byte stream with some ranges replaced: each (start, end, line) by placeholder(start, end,
+    line), the replaced bytes read through in pieces and dropped."""
+
+    def __init__(self, src, ranges: list[tuple[int, int, int]], placeholder):
+        super().__init__()
+        self.src, self.ranges, self.placeholder = src, ranges, placeholder
+        self.pos, self.next, self.pending = 0, 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        size = SCAN_CHUNK if size is None or size < 0 else size
+        out = bytearray()
+        while len(out) < size:
+            if self.pending:
+                take = self.pending[:size - len(out)]
+                out += take
+                self.pending = self.pending[len(take):]
+                continue
+            if self.next < len(self.ranges) and self.pos == self.ranges[self.next][0]:
+                start, end, line = self.ranges[self.next]
+                while self.pos < end and (piece := self.src.read(min(SCAN_CHUNK, end - self.pos))):
+                    self.pos += len(piece)
+                self.pending = self.placeholder(start, end, line)
+                self.next += 1
+                continue
+            limit = size - len(out)
+            if self.next < len(self.ranges):
+                limit = min(limit, self.ranges[self.next][0] - self.pos)
+            data = self.src.read(limit)
+            if not data:
+                break
+            out += data
+            self.pos += len(data)
+        return bytes(out)
+
+    def close(self) -> None:
+        self.src.close()
+        super().close()
 
 
 def _id_or_none(raw_id) -> Optional[str]:

@@ -80,7 +80,7 @@ def open_corpus(cfg: RunConfig) -> Corpus:
         id=cfg.input.id_col or "id", text=cfg.input.text_col, voice=cfg.input.voice_col or "voice",
         id_required=cfg.input.id_col is not None, voice_required=cfg.input.voice_col is not None,
         # An engine may read another column as the voice when there is no voice column.
-        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.input.format)
+        voice_fallback=cfg.engine_class().voice_column_fallback), cfg.input.format, max_chars=cfg.input.max_chars)
 
 
 def check_pool_voices(cfg: RunConfig, device: Optional[str] = None) -> None:

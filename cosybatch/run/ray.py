@@ -165,7 +165,7 @@ def read_rows(corpus: Corpus) -> Iterator[Union[Row, BadRow]]:
     index = 0
     ds = ray.data.read_parquet(str(corpus.path)).select_columns(corpus.read_columns)
     for batch in ds.iter_batches(batch_size=4096, batch_format="pyarrow"):
-        yield from corpus.rows_from_columns(batch.to_pydict(), index)
+        yield from corpus.rows_from_batch(batch, index)
         index += batch.num_rows
 
 
