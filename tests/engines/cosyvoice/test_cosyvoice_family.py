@@ -277,7 +277,7 @@ def test_merge_joins_parts_with_and_without_instructions(tmp_path, monkeypatch):
     from cosybatch.store.checkpoint import write_manifest_table
     from cosybatch.store.distributed import merge
 
-    monkeypatch.setattr(distributed, "check_same_job", lambda root, parts, count: None)
+    monkeypatch.setattr(distributed, "check_same_job", lambda root, parts, count, verb: None)
     monkeypatch.setattr(distributed, "unmergeable", lambda part: None)
 
     def record(i: int, **extra) -> dict:
