@@ -42,7 +42,7 @@ def counting(self, row):
         print(json.dumps({"rows": seen[0], "rss_mb": round(rss_mb(), 1)}), flush=True)
     return admit(self, row)
 line.Admission.admit = counting
-plan = plan_only(RunConfig(corpus=corpus, out=out, engine=engine, progress="none"))["plan"]
+plan = plan_only(RunConfig.from_options(corpus=corpus, out=out, engine=engine, progress="none"))["plan"]
 print(json.dumps({"rows": plan["rows"], "rss_mb": round(rss_mb(), 1), "done": True}), flush=True)
 """
 

@@ -4,10 +4,11 @@ calibration, so both see the same ids for the same text."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -24,25 +25,70 @@ _ESPEAK_READY = False
 # nothing (about 1.3 KB a call, native memory): setting it once per row made `--plan-only` and a run
 # grow by about 4 KB a row, so it is set only when it changes.
 _ESPEAK_VOICE: Optional[str] = None
+# espeak-ng's clause terminators (its translate.h CLAUSE_* values, masked with 0xFFFFF) -> the
+# punctuation piper-tts's bridge reports for them; CLAUSE_TYPE_SENTENCE marks a sentence's end.
+_CLAUSE_TYPE_SENTENCE = 0x00080000
+_TERMINATORS = {40 | 0x80000: ".", 40 | 0x2000 | 0x80000: "?", 45 | 0x3000 | 0x80000: "!",
+                20 | 0x1000 | 0x40000: ",", 30 | 0x40000: ":", 30 | 0x1000 | 0x40000: ";"}
+_ESPEAK_CHARS_AUTO, _ESPEAK_PHONEMES_IPA = 0, 0x02
+# espeak_TextToPhonemesWithTerminator, called straight (see `_espeak_phonemes`); None: not found.
+_TEXT_TO_PHONEMES: Optional[Callable[..., Optional[bytes]]] = None
 _LANG_SWITCH = re.compile(r"\([^)]*\)")  # espeak marks foreign words as (fr)...(en)
 _CLAUSE_BREAKS = (",", ":", ";")
 _PUNCTUATION = frozenset(".,:;!?¡¿—…\"'()-")
 
 
+def _bind_text_to_phonemes(espeakbridge) -> Optional[Callable[..., Optional[bytes]]]:
+    """espeak_TextToPhonemesWithTerminator of the espeak-ng that piper-tts's bridge links in (and
+    exports), or None where it cannot be found. Opening the bridge's own .so again gives the copy the
+    interpreter already loaded (the loader shares it by path), so the voice the bridge set applies."""
+    try:
+        func = ctypes.CDLL(espeakbridge.__file__).espeak_TextToPhonemesWithTerminator
+    except (OSError, AttributeError, TypeError):
+        return None
+    func.restype = ctypes.c_char_p
+    func.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    return func
+
+
+def _espeak_phonemes(func: Callable[..., Optional[bytes]], text: str) -> list[tuple[str, str, bool]]:
+    """What piper-tts's `espeakbridge.get_phonemes` returns, without its leak: the bridge appends each
+    clause's tuple with PyList_Append(list, Py_BuildValue(...)) and never drops its own reference, so
+    every clause of every call stays alive (a 3-tuple and its phoneme string, about 200 B a clause:
+    +4 MB per 10k calls of a two-sentence text, the same text or not; `sys.getrefcount` of a clause
+    tuple is one too many). This is the bridge's loop, in Python, with the same flags and mapping."""
+    if "\x00" in text:
+        raise ValueError("embedded null character")  # what the bridge's PyArg_ParseTuple("s") says
+    buffer = ctypes.create_string_buffer(text.encode("utf-8"))
+    cursor = ctypes.c_void_p(ctypes.addressof(buffer))  # espeak advances it; NULL once all is read
+    terminator = ctypes.c_int()
+    raw = []
+    while cursor.value is not None:
+        phonemes = func(ctypes.byref(cursor), _ESPEAK_CHARS_AUTO, _ESPEAK_PHONEMES_IPA, ctypes.byref(terminator))
+        kind = terminator.value & 0x000FFFFF
+        raw.append(((phonemes or b"").decode("utf-8"), _TERMINATORS.get(kind, ""),
+                    kind & _CLAUSE_TYPE_SENTENCE == _CLAUSE_TYPE_SENTENCE))
+    return raw
+
+
 def espeak_clauses(voice: str, text: str) -> list[tuple[str, bool]]:
     """Text -> [(phoneme string of one clause, ends a sentence)]."""
-    global _ESPEAK_READY, _ESPEAK_VOICE
+    global _ESPEAK_READY, _ESPEAK_VOICE, _TEXT_TO_PHONEMES
     from piper import espeakbridge
     from piper.phonemize_espeak import ESPEAK_DATA_DIR
 
     with _ESPEAK_LOCK:
         if not _ESPEAK_READY:
             espeakbridge.initialize(str(ESPEAK_DATA_DIR))
+            _TEXT_TO_PHONEMES = _bind_text_to_phonemes(espeakbridge)
             _ESPEAK_READY = True
         if voice != _ESPEAK_VOICE:
             espeakbridge.set_voice(voice)
             _ESPEAK_VOICE = voice
-        raw = espeakbridge.get_phonemes(text)
+        if _TEXT_TO_PHONEMES is not None:
+            raw = _espeak_phonemes(_TEXT_TO_PHONEMES, text)
+        else:  # a piper-tts whose bridge does not export espeak-ng: its get_phonemes, leak and all
+            raw = espeakbridge.get_phonemes(text)
     clauses = []
     for phonemes, terminator, end_of_sentence in raw:
         phonemes = _LANG_SWITCH.sub("", phonemes) + terminator
