@@ -55,6 +55,21 @@ def corpus_rows(n: int) -> list[dict]:
     return [{"id": f"utt/{i}", "text": lines[i % len(lines)]} for i in range(n)]
 
 
+def numbered_rows(n: int, prefix: str = "r") -> list[dict]:
+    """n short rows, ids PREFIX0, PREFIX1, ..., each text naming its number."""
+    return [{"id": f"{prefix}{i}", "text": f"Row {i} says something."} for i in range(n)]
+
+
+def finished_tone_job(tone, folder: Path, n: int = 8, **settings) -> tuple[Path, Path]:
+    """(corpus, out): a complete n-row job of the tone engine (the `tone` fixture) in FOLDER/out,
+    run in process, shards of 2 items."""
+    from cosybatch.run.local import run
+
+    corpus = write_jsonl(folder / "c.jsonl", numbered_rows(n))
+    out = folder / "out"
+    assert run(tone(corpus, out, **{"shard_max_items": 2, **settings})).status == "complete"
+    return corpus, out
+
 # -- the command line, as a user runs it -----------------------------------------------------------
 def cli(*args, env: dict | None = None, cwd: Path | None = ROOT, timeout: float = 600,
         check: bool = False) -> subprocess.CompletedProcess:
@@ -124,4 +139,19 @@ def assert_complete(out: Path, rows: list[dict]) -> dict:
     assert not list(out.glob("*.partial"))
     for item in items.values():
         assert len(item["audio"]) == item["meta"]["num_samples"] > 0
+    return items
+
+
+def assert_exactly_once(out: Path, expected_ids) -> dict:
+    """Every expected id once in the shards (every WAV decodes) and in the manifest, no two items
+    under one shard and key, and `verify` finds nothing wrong. Returns read_output's items."""
+    from cosybatch.store.verify import verify
+
+    items = read_output(out)  # every WAV decodes; fails on an id written twice
+    assert sorted(items) == sorted(expected_ids)
+    manifest = pq.read_table(out / "manifest.parquet").to_pylist()
+    assert sorted(r["id"] for r in manifest) == sorted(expected_ids)
+    assert len({(r["shard"], r["key"]) for r in manifest}) == len(manifest)
+    result = verify(out)
+    assert result["ok"], result
     return items

@@ -301,12 +301,24 @@ def test_the_blocks_run(page, tmp_path):
 
 
 def check_readme(work: Path) -> None:
-    """The main job writes one shard for the example corpus, as README and docs/output.md say."""
+    """The README's main job, as a new user runs it on the committed example corpus: it completes
+    with one shard (as README and docs/output.md say), every id of the corpus once, each clip real
+    audio at the voice's rate; the JSONL twin of the corpus holds the same rows."""
+    import json
+
     import pyarrow.parquet as pq
+    from helpers import read_output
 
     out = work / "out" / "corpus"
+    assert json.loads((out / "stats.json").read_text())["status"] == "complete"
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-000000.tar"]
-    assert pq.read_table(out / "manifest.parquet").num_rows == 120
+    expected = pq.read_table(work / "examples" / "corpus.parquet").column("id").to_pylist()
+    assert len(expected) == 120 and pq.read_table(out / "manifest.parquet").num_rows == 120
+    items = read_output(out)  # every WAV decodes; fails on an id written twice
+    assert sorted(items) == sorted(expected)
+    assert all(i["sample_rate"] == 22050 and len(i["audio"]) > 0 for i in items.values())
+    jsonl = (work / "examples" / "corpus.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in jsonl] == expected
 
 
 def check_production(work: Path) -> None:

@@ -1,6 +1,6 @@
 """CosyVoice2 through `cosybatch run` and its stages: usage errors, --check, the yaml's sampling,
 stage batching, half precision and out-of-memory splits (what every family shares is in
-test_cosyvoice_families.py)."""
+test_cosyvoice_every_family.py)."""
 
 from __future__ import annotations
 

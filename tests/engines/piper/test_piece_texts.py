@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cosybatch.engines import EngineOptions, VoiceRequest
 from cosybatch.engines.piper.engine import PiperEngine, PiperOptions
+from cosybatch.engines.piper.text import clause_spans
 
 
 def _texts(text: str, **opts) -> list:
@@ -24,3 +25,14 @@ def test_a_clause_cut_at_words_has_no_text():
     texts = _texts(f"Short one. {long} Last one.", max_piece_ids=40)
     assert texts[0] == "Short one." and texts[-1] == "Last one."
     assert len(texts) > 3 and all(t is None for t in texts[1:-1])
+
+
+def test_clause_spans():
+    text = "One, two. Dr. Who is here. Three"
+    size = len  # a stand-in for the phoneme count of a text alone
+    # As many pieces of punctuation as clauses: taken as they are.
+    assert [text[a:b] for a, b in clause_spans(text, [3, 3, 2, 10, 5], size)] == [
+        "One,", "two.", "Dr.", "Who is here.", "Three"]
+    # Fewer clauses (espeak read "Dr." inside one): merged where the sizes say.
+    assert [text[a:b] for a, b in clause_spans(text, [9, 16, 5], size)] == ["One, two.", "Dr. Who is here.", "Three"]
+    assert clause_spans(text, [1] * 6, size) is None  # more clauses than the punctuation cuts: unknown

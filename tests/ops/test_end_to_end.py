@@ -1,5 +1,7 @@
 """The whole job through the CLI on the real bundled voice: every id once, audio decodes at the
-voice's rate, durations follow the text, and the output loads with tarfile and webdataset."""
+voice's rate, durations follow the text, and the output loads with tarfile and webdataset. (The
+README's main job on the 120-row example corpus runs once, as the README's block, in
+tests/docs/test_docs.py: check_readme asserts what a new user gets from it.)"""
 
 from __future__ import annotations
 
@@ -123,25 +125,6 @@ def test_help_is_fast_and_imports_no_engine():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-@pytest.mark.slow
-def test_readme_main_job_on_the_example_corpus(tmp_path):
-    """The README's run command, on the committed example corpus, as a new user runs it (the docs'
-    loading snippets run against the same output in tests/docs)."""
-    from helpers import ROOT
-
-    corpus = ROOT / "examples" / "corpus.parquet"
-    out = tmp_path / "out"
-    proc = cli("run", str(corpus), "--out", str(out), check=True)
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["status"] == "complete"
-    expected = pq.read_table(corpus).column("id").to_pylist()
-    items = read_output(out)
-    assert sorted(items) == sorted(expected) and len(expected) == 120
-    assert all(i["sample_rate"] == 22050 and len(i["audio"]) > 0 for i in items.values())
-    # The JSONL twin holds the same rows.
-    jsonl_ids = [json.loads(line)["id"] for line in (ROOT / "examples" / "corpus.jsonl").read_text().splitlines()]
-    assert jsonl_ids == expected
 
 
 @pytest.mark.slow

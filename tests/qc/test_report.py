@@ -1,5 +1,5 @@
 """The audit page (cosybatch/qc/report.py) as a file: escaping, the plots' elements, the clips it
-chooses, self-containment and the atomic write. tests/ops/test_report_browser.py renders it."""
+chooses, self-containment and the atomic write. tests/qc/test_report_browser.py renders it."""
 
 from __future__ import annotations
 

@@ -130,14 +130,25 @@ def test_check_reports_the_family(family):
     assert report["speakers"] == list(family.speakers)
 
 
-def test_run_writes_every_row_once_with_exact_lengths_and_bad_rows_fail_alone(family, corpus, engine, tmp_path):
-    out = tmp_path / "out"
-    result = run(job(family, corpus, out, normalize=False))
-    assert result.status == "complete"
+@pytest.fixture(scope="module")
+def resumed(family, corpus, tmp_path_factory):
+    """The family's job run twice, as the two tests below read it: its first 3 rows, then resumed
+    to the end. (first result, second result, the items after the first run, the folder)"""
+    out = tmp_path_factory.mktemp(f"cv-{family.name}-job") / "out"
+    first = run(job(family, corpus, out, limit=3, normalize=False))
+    before = read_output(out)
+    second = run(job(family, corpus, out, normalize=False))
+    return first, second, before, out
+
+
+def test_run_writes_every_row_once_with_exact_lengths_and_bad_rows_fail_alone(family, engine, resumed):
+    first, result, _, out = resumed
+    assert first.status == result.status == "complete"
     good = ["cross", "reuse", "sft-a", "sft-b", "zero-shot"] + (["told"] if family.follows_instructions else [])
     bad = ["bad-format", "bad-long", "bad-missing", "bad-outside", "bad-speaker", "no-voice"]
     bad += [] if family.follows_instructions else ["told"]
-    assert (result.stats["items_done"], result.stats["items_failed"]) == (len(good), len(bad))
+    totals = result.stats["job_totals"]
+    assert (totals["items_done"], totals["items_failed"]) == (len(good), len(bad))
 
     items = read_output(out)
     assert sorted(items) == sorted(good)
@@ -182,14 +193,11 @@ def test_run_writes_every_row_once_with_exact_lengths_and_bad_rows_fail_alone(fa
     assert items["cross"]["meta"]["settings"].get("family", "CosyVoice2-0.5B") == family.kind
 
 
-def test_resume_completes_without_duplicates(family, corpus, tmp_path):
-    out = tmp_path / "out"
-    first = run(job(family, corpus, out, limit=3))
-    assert first.status == "complete"
-    before = read_output(out)
+def test_resume_completes_without_duplicates(family, resumed):
+    first, second, before, out = resumed
+    assert first.status == "complete" and first.stats["items_done"] == 3
     assert sorted(before) == ["sft-a", "sft-b", "zero-shot"]
-    second = run(job(family, corpus, out))
-    assert second.status == "complete"
+    assert second.status == "complete" and second.stats["items_done"] == len(read_output(out)) - 3  # none redone
     after = read_output(out)  # fails on any id written twice
     assert sorted(after) == sorted(["cross", "reuse", "sft-a", "sft-b", "zero-shot"]
                                    + (["told"] if family.follows_instructions else []))

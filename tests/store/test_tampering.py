@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import journal, read_output, write_parquet
+from helpers import assert_exactly_once, journal, read_output, write_parquet
 
 from cosybatch.config import RunConfig
 from cosybatch.run import line
@@ -32,14 +32,6 @@ def config(corpus: Path, out: Path, **kw) -> RunConfig:
     """Tone engine in process, batches of one, shards of 3 items."""
     return RunConfig.from_options(corpus=corpus, out=out, progress="none",
                      **{"engine": "tone", "batch_size": 1, "shard_max_items": 3, **kw})
-
-
-def assert_exactly_once(out: Path, ids) -> None:
-    items = read_output(out)  # every member readable, no id twice
-    assert sorted(items) == sorted(ids)
-    assert sorted(r["id"] for r in pq.read_table(out / "manifest.parquet").to_pylist()) == sorted(ids)
-    result = verify_output(out)
-    assert result["ok"], result
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Dataset formats: the Hugging Face, NeMo and Lhotse exports load in their own libraries (NeMo, not
 installed, as its tarred reader reads the shards), in the forms that point into the shards and the
-copying ones, and the HF export decodes where torchcodec is installed."""
+copying ones, and the HF export decodes where torchcodec is installed. An export checks the folder
+first and never leaves half an export (issue 23, case 4)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import soundfile
-from helpers import cli, corpus_rows, read_output, write_parquet
+from helpers import cli, corpus_rows, finished_tone_job, read_output, write_parquet
 
 from cosybatch.config import RunConfig
+from cosybatch.errors import DamagedOutputError
 from cosybatch.run.local import run
+from cosybatch.store.exports import export
 
 
 @pytest.mark.slow
@@ -253,3 +256,45 @@ def test_exports_carry_the_rows_language_and_pool_speaker(tmp_path):
 
     supervisions = lhotse.load_manifest(out / "exports/lhotse/supervisions.jsonl.gz")
     assert {s.custom["id"]: s.language for s in supervisions} == want
+
+
+# -- export checks the folder first and never leaves half an export (issue 23, case 4) -------------
+@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse"])
+def test_export_refuses_a_folder_that_lost_a_shard(tone, tmp_path, fmt):
+    _, out = finished_tone_job(tone, tmp_path)
+    (out / "shard-000001.tar").unlink()
+    with pytest.raises(DamagedOutputError, match=r"shard-000001.tar is missing.*Rerun the job's `cosybatch run`"):
+        export(out, fmt)
+    assert not (out / "exports" / fmt).exists()
+    assert DamagedOutputError.exit_code == 3
+
+
+@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse"])
+def test_an_unreadable_shard_leaves_the_earlier_export_whole(tone, tmp_path, fmt):
+    _, out = finished_tone_job(tone, tmp_path)
+    export(out, fmt)
+    before = export_files(out / "exports" / fmt)
+    shard = out / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[:512] = b"\xff" * 512  # the same size, so only reading it finds the damage
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DamagedOutputError, match=r"shard-000001.tar is unreadable"):
+        export(out, fmt)
+    after = export_files(out / "exports" / fmt)
+    assert after == before
+    assert [p.name for p in (out / "exports").iterdir() if p.name.startswith(".")] == []
+
+
+def export_files(folder: Path) -> dict:
+    """Each file of an export, and where each of its links points (NeMo's audio_N.tar link to the shards)."""
+    return {p.relative_to(folder): os.readlink(p) if p.is_symlink() else p.read_bytes()
+            for p in folder.rglob("*") if p.is_symlink() or p.is_file()}
+
+
+def test_an_unreadable_shard_leaves_no_export(tone, tmp_path):
+    _, out = finished_tone_job(tone, tmp_path)
+    shard = out / "shard-000001.tar"
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    with pytest.raises(DamagedOutputError):
+        export(out, "hf")
+    assert not (out / "exports" / "hf").exists()

@@ -1,9 +1,10 @@
-"""Which CosyVoice a folder holds, and instruct rows, end to end on tiny official-layout folders."""
+"""Instructions (`instruct` rows, --instruct) and the LM prompts they make, for every CosyVoice
+family that follows them, end to end on tiny official-layout folders; an engine that cannot follow
+one fails only those rows. Which family a folder holds: test_cosyvoice_folders.py."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +14,8 @@ import soundfile as sf
 from helpers import cli, read_output, write_jsonl
 
 from cosybatch.cosyvoice.family import ENDOFPROMPT
-from cosybatch.cosyvoice.model import read_config
-from cosybatch.cosyvoice.weights import ModelDirError
 from cosybatch.engines import EngineOptions, VoiceRequest, open_engine
-from cosybatch.engines.cosyvoice import CosyVoiceOptions, check_setup
-from cosybatch.errors import UsageError
-from cosybatch.plan import Unit
+from cosybatch.engines.cosyvoice import CosyVoiceOptions
 
 
 @pytest.fixture(scope="module")
@@ -29,45 +26,6 @@ def prompt_folder(tmp_path_factory) -> Path:
     return folder
 
 
-# -- which model a folder is ---------------------------------------------------------------------
-def test_folders_that_are_no_cosyvoice_are_refused_with_what_was_found(cosyvoice_dir, tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    (empty / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ModelDirError, match=r"no CosyVoice yaml .*not a CosyVoice model folder"):
-        read_config(empty)
-
-    text = (cosyvoice_dir / "cosyvoice2.yaml").read_text()
-    # A CosyVoice3 yaml under CosyVoice2's name: the classes say what it is.
-    wrong = tmp_path / "wrong"
-    wrong.mkdir()
-    (wrong / "cosyvoice2.yaml").write_text(
-        text.replace("cosyvoice.llm.llm.Qwen2LM", "cosyvoice.llm.llm.CosyVoice3LM")
-        .replace("cosyvoice.flow.flow.CausalMaskedDiffWithXvec", "cosyvoice.flow.flow.CausalMaskedDiffWithDiT")
-        .replace("cosyvoice.hifigan.generator.HiFTGenerator", "cosyvoice.hifigan.generator.CausalHiFTGenerator"))
-    with pytest.raises(ModelDirError) as err:
-        read_config(wrong)
-    message = str(err.value)
-    assert "not a CosyVoice2-0.5B model" in message and "llm builds CosyVoice3LM (expected Qwen2LM)" in message
-    assert "Fun-CosyVoice3-0.5B's classes" in message and "cosyvoice3.yaml" in message
-
-    two = tmp_path / "two"
-    two.mkdir()
-    (two / "cosyvoice2.yaml").write_text(text)
-    (two / "cosyvoice3.yaml").write_text(text)
-    with pytest.raises(ModelDirError, match=r"holds cosyvoice2\.yaml and cosyvoice3\.yaml"):
-        read_config(two)
-
-
-def test_check_names_the_missing_files_of_the_family(cosyvoice_dir, tmp_path):
-    partial = tmp_path / "partial"
-    partial.mkdir()
-    shutil.copy(cosyvoice_dir / "cosyvoice2.yaml", partial / "cosyvoice2.yaml")
-    with pytest.raises(UsageError, match=r"missing llm\.pt, flow\.pt, .*speech_tokenizer_v2\.onnx.*CosyVoice2-0\.5B"):
-        check_setup(partial, None, None, None)
-
-
-# -- instructions --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def v2_engine(cosyvoice_dir, prompt_folder):
     return open_engine("cosyvoice", None, EngineOptions(device="cpu", corpus_dir=prompt_folder,
@@ -152,14 +110,6 @@ def run_job(model: Path, corpus: Path, out: Path, *extra: str) -> tuple[dict, di
     return read_output(out), failures
 
 
-def test_v1_check_tells_the_variants_apart(cosyvoice_v1_dir, cosyvoice_v1_instruct_dir):
-    assert check_setup(cosyvoice_v1_instruct_dir, None, None, None, "Be calm.")["family"] == "CosyVoice-300M-Instruct"
-    with pytest.raises(UsageError, match="CosyVoice-300M-SFT folder cannot follow instructions"):
-        check_setup(cosyvoice_v1_dir, None, None, None, "Be calm.")
-    with pytest.raises(UsageError, match="the ONNX export covers CosyVoice2's flow estimator only, not CosyVoice-300M"):
-        check_setup(cosyvoice_v1_dir, None, None, None, flow_backend="onnx")
-
-
 @pytest.mark.slow
 def test_v1_instruct_rows_take_a_speaker_and_drop_its_embedding_from_the_lm(cosyvoice_v1_instruct_dir,
                                                                            prompt_folder, tmp_path):
@@ -217,37 +167,6 @@ def test_v3_lm_prompts_open_with_the_system_prompt(cosyvoice_v3_dir, prompt_fold
         zero.pieces[0].payload.prompt_text_tokens
 
 
-def test_v3_sft_speakers_when_the_folder_has_them(cosyvoice_v3_dir, cosyvoice_dir, tmp_path):
-    """Whether official Fun-CosyVoice3 folders ship spk2info.pt is not known; one that does works."""
-    folder = tmp_path / "Fun-CosyVoice3-0.5B-with-speakers"
-    folder.mkdir()
-    for entry in cosyvoice_v3_dir.iterdir():
-        (folder / entry.name).symlink_to(entry)
-    shutil.copy(cosyvoice_dir / "spk2info.pt", folder / "spk2info.pt")
-    engine = open_engine("cosyvoice", "alice", EngineOptions(device="cpu", engine=CosyVoiceOptions(model=folder)))
-    prepared = engine.prepare("Hello there.", "a", None)
-    seg = prepared.pieces[0].payload
-    assert seg.voice.key == "spk:alice" and not seg.lm_speech
-    assert seg.prompt_text_tokens == tuple(engine.tokenizer.encode("You are a helpful assistant.<|endofprompt|>"))
-    units = [Unit(0, 0, prepared.pieces[0].cost, "", seg)]
-    audio = engine.synthesize(units).audio[0]
-    assert audio.size > 0 and audio.size % 960 == 0 and np.isfinite(audio).all()
-
-
-# -- details -------------------------------------------------------------------------------------
-def test_variant_reads_the_path_as_given(tmp_path):
-    from cosybatch.cosyvoice.family import V1, variant
-
-    snapshot = tmp_path / "models--FunAudioLLM--CosyVoice-300M-Instruct" / "snapshots" / "4f1c2a"
-    snapshot.mkdir(parents=True)
-    assert variant(snapshot, V1) == "CosyVoice-300M-Instruct"  # a Hugging Face snapshot folder
-    plain = tmp_path / "weights"
-    plain.mkdir()
-    link = tmp_path / "CosyVoice-300M-SFT"
-    link.symlink_to(plain)
-    assert variant(link, V1) == "CosyVoice-300M-SFT" and variant(plain, V1) == "CosyVoice-300M"
-
-
 def test_jsonl_instruct_is_read_past_the_sniffed_lines(tmp_path):
     from cosybatch.corpus import JSONL_SNIFF_ROWS, Corpus
 
@@ -272,7 +191,7 @@ def test_merge_joins_parts_with_and_without_instructions(tmp_path, monkeypatch):
     """With --shard, one worker's rows may all lack an instruction: its manifest has no instruct
     column while another's has one; the merged manifest keeps every row and fills the gap. The
     parts here are manifests only, so merge's checks that each part is the same job, finished and
-    whole (tested in tests/ops/test_checked_outputs.py) are passed over: this is about the join."""
+    whole (tested in tests/store/test_distributed.py) are passed over: this is about the join."""
     from cosybatch.store import distributed
     from cosybatch.store.checkpoint import write_manifest_table
     from cosybatch.store.distributed import merge

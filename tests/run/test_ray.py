@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -28,7 +29,84 @@ def rows(n: int) -> list[dict]:
     return [{"id": f"r{i}", "text": f"Row {i} is {' '.join(words[: 1 + i % len(words)])}."} for i in range(n)]
 
 
-def test_hundred_rows_every_id_once_and_same_bytes_as_run(tmp_path):
+# -- ray-run starting and stopping its own cluster (these run before the shared one starts: the
+# killed driver's test stops every Ray process on the machine, the bad voice's asserts none is up)
+def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
+    data = rows(100)
+    corpus = write_parquet(tmp_path / "c.parquet", data)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "cosybatch", "ray-run", str(corpus), "--out", str(out),
+                             "--actors", "2", "--rows-per-task", "8", "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while len(list(out.glob("shard-*.tar"))) < 3:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+    finished_before = len(read_output(out))
+    assert 0 < finished_before < 100
+
+    result = ray_run(RunConfig.from_options(corpus=corpus, out=out, progress="none"), RayOptions(actors=2,
+                                                                                                 rows_per_task=8))
+    assert result.status == "complete"
+    assert result.stats["items_done"] == 100 - finished_before  # finished shards were not redone
+    items = read_output(out)  # raises if any id is in two shards
+    assert sorted(items) == sorted(r["id"] for r in data)
+
+
+def test_a_bad_voice_is_a_usage_error_before_the_cluster_starts(tmp_path):
+    from cosybatch.errors import VoiceError
+
+    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
+    with pytest.raises(VoiceError, match="no-such-voice"):
+        ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", voice="no-such-voice"),
+                RayOptions(actors=1))
+    assert not ray.is_initialized()
+
+
+def test_a_retried_chunk_rewrites_the_same_shard(tmp_path):
+    """Ray retries a chunk whose actor died; the retry must not add a second copy of its rows."""
+    from cosybatch.store.checkpoint import OutputDir
+
+    corpus = write_parquet(tmp_path / "c.parquet", rows(3))
+    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "out", progress="none")
+    OutputDir(cfg.output.folder).state.mkdir(parents=True)
+    worker = SynthWorker(cfg, "cpu")
+    chunk = [Row(i, r["id"], r["text"]) for i, r in enumerate(rows(3))]
+    first = worker.process(chunk)
+    second = worker.process(list(reversed(chunk)))
+    assert first["items"][0]["shard"] == second["items"][0]["shard"]
+    assert len(list(cfg.output.folder.glob("shard-*.tar"))) == 1
+    assert sorted(read_output(cfg.output.folder)) == ["r0", "r1", "r2"]
+
+
+def test_options_ray_run_cannot_honour_are_refused(tmp_path):
+    from cosybatch.errors import UsageError
+
+    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
+    with pytest.raises(UsageError, match="ray-run does not support metrics_file"):
+        ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "o", metrics_file=tmp_path / "m.prom"),
+                RayOptions())
+
+
+# -- in process on one shared cluster ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster for the in-process ray_run tests below. ray_run uses a cluster that is
+    running (and leaves it running), so its start-up and shutdown, seconds apiece, are paid once
+    for the module. It is started as ray_run starts its own: a CPU beyond two actors for Ray Data's
+    reads, worker niceness 0."""
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(num_cpus=max(os.cpu_count() or 1, 3), include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_hundred_rows_every_id_once_and_same_bytes_as_run(cluster, tmp_path):
     data = rows(100)
     corpus = write_parquet(tmp_path / "c.parquet", data)
     result = ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "ray", progress="none"),
@@ -62,58 +140,7 @@ def test_hundred_rows_every_id_once_and_same_bytes_as_run(tmp_path):
         assert items[item_id]["meta"]["text"] == item["meta"]["text"]
 
 
-def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
-    data = rows(100)
-    corpus = write_parquet(tmp_path / "c.parquet", data)
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "cosybatch", "ray-run", str(corpus), "--out", str(out),
-                             "--actors", "2", "--rows-per-task", "8", "--progress", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while len(list(out.glob("shard-*.tar"))) < 3:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
-    finished_before = len(read_output(out))
-    assert 0 < finished_before < 100
-
-    result = ray_run(RunConfig.from_options(corpus=corpus, out=out, progress="none"), RayOptions(actors=2,
-                                                                                                 rows_per_task=8))
-    assert result.status == "complete"
-    assert result.stats["items_done"] == 100 - finished_before  # finished shards were not redone
-    items = read_output(out)  # raises if any id is in two shards
-    assert sorted(items) == sorted(r["id"] for r in data)
-
-
-def test_a_retried_chunk_rewrites_the_same_shard(tmp_path):
-    """Ray retries a chunk whose actor died; the retry must not add a second copy of its rows."""
-    from cosybatch.store.checkpoint import OutputDir
-
-    corpus = write_parquet(tmp_path / "c.parquet", rows(3))
-    cfg = RunConfig.from_options(corpus=corpus, out=tmp_path / "out", progress="none")
-    OutputDir(cfg.output.folder).state.mkdir(parents=True)
-    worker = SynthWorker(cfg, "cpu")
-    chunk = [Row(i, r["id"], r["text"]) for i, r in enumerate(rows(3))]
-    first = worker.process(chunk)
-    second = worker.process(list(reversed(chunk)))
-    assert first["items"][0]["shard"] == second["items"][0]["shard"]
-    assert len(list(cfg.output.folder.glob("shard-*.tar"))) == 1
-    assert sorted(read_output(cfg.output.folder)) == ["r0", "r1", "r2"]
-
-
-def test_options_ray_run_cannot_honour_are_refused(tmp_path):
-    from cosybatch.errors import UsageError
-
-    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
-    with pytest.raises(UsageError, match="ray-run does not support metrics_file"):
-        ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "o", metrics_file=tmp_path / "m.prom"),
-                RayOptions())
-
-
-def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
+def test_jsonl_with_unicode_line_breaks_inside_rows(cluster, tmp_path):
     """U+0085 and U+2028 are line breaks to str.splitlines; inside JSON strings they are text."""
     import json
 
@@ -126,7 +153,7 @@ def test_jsonl_with_unicode_line_breaks_inside_rows(tmp_path):
     assert [items[k]["meta"]["row"] for k in "abc"] == [0, 1, 2]
 
 
-def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_dir, monkeypatch):
+def test_cosyvoice_batches_as_run_does_and_sounds_the_same(cluster, tmp_path, cosyvoice_dir, monkeypatch):
     """One executor: ray-run's actors size batches from the engine exactly as `run` does, and the
     driver never opens an engine (on a GPU it would start CUDA and pre-allocate the pool)."""
     from cosybatch.run import executor
@@ -154,20 +181,7 @@ def test_cosyvoice_batches_as_run_does_and_sounds_the_same(tmp_path, cosyvoice_d
         assert (a[item_id]["audio"] == b[item_id]["audio"]).all()
 
 
-def test_a_bad_voice_is_a_usage_error_before_the_cluster_starts(tmp_path):
-    from cosybatch.errors import VoiceError
-
-    corpus = write_parquet(tmp_path / "c.parquet", rows(1))
-    with pytest.raises(VoiceError, match="no-such-voice"):
-        ray_run(RunConfig.from_options(corpus=corpus, out=tmp_path / "out", voice="no-such-voice"),
-                RayOptions(actors=1))
-    assert not ray.is_initialized()
-
-
-# -- ray-run stopped by SIGTERM ----------------------------------------------------------------
-
-
-def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_complete(tmp_path, monkeypatch):
+def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_complete(cluster, tmp_path, monkeypatch):
     """SIGTERM is sent from inside the driver at a known point: once when the first chunk comes
     back (rows are still unread: interrupted, exit 4), then, on the rerun, once every chunk has
     been dispatched and has finished (nothing was cut short: complete, exit 0)."""
@@ -233,7 +247,7 @@ def test_ray_run_sigterm_mid_way_is_interrupted_and_after_the_last_chunk_is_comp
     assert not getattr(handler, "__qualname__", "").startswith("ray_run.")
 
 
-def test_the_quality_gate_runs_in_the_actors_as_in_run(tmp_path):
+def test_the_quality_gate_runs_in_the_actors_as_in_run(cluster, tmp_path):
     """The same gate in ray-run: each chunk's rows measured, retaken and failed in its actor, the
     counts summed by the driver, the QC columns in the manifest."""
     data = rows(6)
