@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import resource
-import time
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,8 @@ from cosybatch.voices import MAX_SPEAKER_RANGE, parse_pool
 @pytest.mark.parametrize("spec", ["#0-100000000", "#0-99999999999999999999999", f"v#1-{MAX_SPEAKER_RANGE + 1}"])
 def test_a_huge_speaker_range_is_refused_before_it_is_expanded(spec):
     before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t = time.monotonic()
     with pytest.raises(UsageError, match="speaker range"):
         parse_pool(spec)
-    assert time.monotonic() - t < 0.5
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib < 50 * 1024
 
 
