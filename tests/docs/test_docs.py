@@ -267,11 +267,11 @@ def test_every_block_is_run_or_declared_data(page):
 
 
 def ray_grouped(page: Path):
-    """A page whose blocks start a Ray cluster runs on the one pytest-xdist worker that runs every
-    Ray test (`--dist loadgroup`): a test there stops every Ray process on the machine."""
+    """A page whose blocks start a Ray cluster runs with the Ray tests (`-m ray`), outside
+    pytest-xdist: one of them stops every Ray process on the machine."""
     run = [code for lang, code, _ in fences(page) if lang in SHELL_LANGUAGES | PYTHON_LANGUAGES]
     if any("ray-run" in code or "ray_run" in code for code in run):
-        return pytest.param(page, marks=pytest.mark.xdist_group("ray"))
+        return pytest.param(page, marks=pytest.mark.ray)
     return page
 
 

@@ -21,10 +21,10 @@ from cosybatch.run.local import run  # noqa: E402
 from cosybatch.run.ray import RayOptions, SynthWorker, ray_run  # noqa: E402
 
 # Each test starts a local Ray cluster (or a ray-run driver): seconds of start-up apiece.
-# Every Ray test runs on one pytest-xdist worker (`--dist loadgroup`), in file order: the killed
-# driver's test stops every Ray process on the machine, and the tests that start their own cluster
-# run before the module's shared one.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+# The Ray tests run in a pytest process of their own, not under pytest-xdist (`-m ray`): one stops
+# every Ray process on the machine, one sends SIGTERM to its own process, and a process connected to
+# a Ray cluster exits on SIGTERM unless the job's handler has it.
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def rows(n: int) -> list[dict]:
