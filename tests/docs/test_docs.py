@@ -141,7 +141,8 @@ def check_command(part: str) -> None:
         if part == "bash .ci/run":
             assert (ROOT / ".ci" / "run").is_file()
         else:
-            assert part in CI_RUN.splitlines(), f"{part!r} is not a line of .ci/run"
+            # Compared as the shell reads them (the caller has already split and joined `part`).
+            assert part in map(strip_comment, CI_RUN.splitlines()), f"{part!r} is not a line of .ci/run"
         return
     words = shlex.split(part, comments=True)
     if words[:2] == ["python", "-m"] and words[2:3] == ["pip"]:
