@@ -267,16 +267,7 @@ def test_every_block_is_run_or_declared_data(page):
     assert not unknown, f"{page_id(page)}: blocks neither run nor declared data (line, language): {unknown}"
 
 
-def ray_grouped(page: Path):
-    """A page whose blocks start a Ray cluster runs with the Ray tests (`-m ray`), outside
-    pytest-xdist: one of them stops every Ray process on the machine."""
-    run = [code for lang, code, _ in fences(page) if lang in SHELL_LANGUAGES | PYTHON_LANGUAGES]
-    if any("ray-run" in code or "ray_run" in code for code in run):
-        return pytest.param(page, marks=pytest.mark.ray)
-    return page
-
-
-@pytest.mark.parametrize("page", [ray_grouped(p) for p in PAGES], ids=page_id)
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_the_blocks_run(page, tmp_path):
     work = tmp_path / "work"
     work.mkdir()

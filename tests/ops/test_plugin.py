@@ -83,7 +83,6 @@ def test_plugin_options_are_checked_with_errors_that_name_the_key(tmp_path):
     assert json.loads(overridden.stdout.splitlines()[-1])["config"]["engine_options"] == {"noise_scale": "0.5"}
 
 
-@pytest.mark.ray
 def test_a_plugin_engine_under_ray_run_matches_run(tmp_path):
     pytest.importorskip("ray")
     from cosybatch.config import RunConfig

@@ -21,9 +21,10 @@ from cosybatch.run.local import run  # noqa: E402
 from cosybatch.run.ray import RayOptions, SynthWorker, ray_run  # noqa: E402
 
 # Each test starts a local Ray cluster (or a ray-run driver): seconds of start-up apiece.
-# The Ray tests run in a pytest process of their own, not under pytest-xdist (`-m ray`): one stops
-# every Ray process on the machine, one sends SIGTERM to its own process, and a process connected to
-# a Ray cluster exits on SIGTERM unless the job's handler has it.
+# These tests run in a pytest process of their own after the rest, not under pytest-xdist (`-m ray`):
+# one stops every Ray process on the machine (a Ray run elsewhere in the suite would die with it),
+# and one sends SIGTERM to its own process, which a pytest-xdist worker connected to a Ray cluster
+# takes through Ray's handler and dies of.
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
