@@ -279,7 +279,7 @@ def qc_cmd(
     out: Path = typer.Argument(..., help="A finished job's output folder, one part of a sharded job, or its root."),
     asr: bool = typer.Option(False, "--asr", help="Also transcribe with Whisper and score CER/WER (the "
                              "cosybatch[qc] extra)."),
-    asr_rows: str = typer.Option("flagged", "--asr-rows", help="With --asr: flagged, all or sample."),
+    asr_rows: str = typer.Option("all", "--asr-rows", help="With --asr: all, flagged or sample."),
     asr_model: Optional[Path] = typer.Option(None, "--asr-model", help="CTranslate2 Whisper folder; unset: "
                                              "Whisper tiny.en from the cosybatch[qc] extra."),
     sample: float = typer.Option(0.1, "--sample", help="With --asr-rows sample: the share of unflagged clips."),

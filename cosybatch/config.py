@@ -101,6 +101,11 @@ LIMIT_BOUNDS: dict[str, Bounds] = {
     "max_token_run": Bounds(1, 100_000, integer=True),  # speech tokens
     "max_cer": Bounds(0, 10),
     "max_wer": Bounds(0, 10),
+    "min_support": Bounds(-50, 50),  # natural-log gain per token; tokens are floored at 1e-12 (about -27.6)
+    "min_word_support": Bounds(-50, 50),
+    "max_beyond_s": Bounds(0, 600),
+    "max_stretch_s": Bounds(0, 600),
+    "max_pace_z": Bounds(0, 100, low_open=True),  # robust z of the pace; 100 never flags in practice
 }
 
 MiB = 1024 * 1024
@@ -276,9 +281,10 @@ class QualityConfig:
 
     mode: str = "signals"
     """Quality checks: off; signals (measured and recorded per clip, nothing dropped); gate (a flagged clip is
-    made again, then dropped or kept per --qc-on-fail); asr (gate, plus a Whisper round trip scored by CER)."""
-    asr_rows: str = "flagged"
-    """With --qc asr, which clips the ASR hears: flagged (by the cheap signals), all, or sample (flagged ones
+    made again, then dropped or kept per --qc-on-fail); asr (gate, and Whisper scores each clip's text against
+    its audio)."""
+    asr_rows: str = "all"
+    """With --qc asr, which clips Whisper hears: all, flagged (by the cheap signals), or sample (flagged ones
     and a seeded --qc-sample share of the rest)."""
     sample: float = bounded(0.1, 0, 1, low_open=True)
     """Share of unflagged clips transcribed with --qc-asr-rows sample, in (0, 1]."""
@@ -294,7 +300,8 @@ class QualityConfig:
     """A row with no passing take: drop (fails, with the reason) or keep (its best take, marked qc.pass false)."""
     limits: dict = field(default_factory=dict)
     """The signal thresholds (`[qc]` table of a job spec): max_z, max_gap_s, min_speech_share, ... Ranges:
-    max_z (0, 100], min_history 1 to 2000, max_lead_s, max_tail_s and max_gap_s 0 to 600, max_end_db -200 to 0,
+    max_z and max_pace_z (0, 100], min_support and min_word_support -50 to 50, max_beyond_s and max_stretch_s 0
+    to 600, min_history 1 to 2000, max_lead_s, max_tail_s and max_gap_s 0 to 600, max_end_db -200 to 0,
     min_speech_share, max_clipped and max_flatness 0 to 1, max_token_run 1 to 100_000."""
 
     def __post_init__(self) -> None:

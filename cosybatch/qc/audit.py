@@ -2,8 +2,9 @@
 OUT/qc.parquet and OUT/report.html beside the manifest, without touching the shards; and the
 audit page a run writes at its end, from its manifest.
 
-The audit judges as `--qc gate` does (as `--qc asr` with --asr): the same signals, the speech
-rate against each voice's running median in shard order, the same limits.
+The audit judges as `--qc gate` does (as `--qc asr` with --asr), by the same gate object: the
+same signals, the pace against each voice's clips in shard order (and the expectation each clip's
+run recorded), the same hearing and limits.
 
 What the page reads back from the folder (the manifest, stats.json, the journal, the shards its
 clips come from) is opened as store/readback.py says: never through a link at the name, never
@@ -18,6 +19,7 @@ import logging
 import math
 import os
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -26,8 +28,7 @@ from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
 from ..store.items import qc_columns
 from ..store.readback import NotReadable, open_regular, read_json
-from .gate import PaceHistory, QCSettings, Verdict, assess, judge, wants_asr
-from .signals import measure
+from .gate import QCSettings
 
 log = logging.getLogger("cosybatch")
 
@@ -36,53 +37,58 @@ REPORT_FILE = "report.html"
 CLIP_CAP = 16 << 20  # the largest WAV the page embeds (about 6 minutes at 22050 Hz); a larger one is named
 JOURNAL_LINE_CAP = 16 << 20  # a longer journal line is skipped, not read whole
 SIGNAL_COLUMNS = ("lead_s", "tail_s", "gap_s", "speech_s", "speech_share", "units", "s_per_unit", "peak_db",
-                  "rms_db", "clipped", "flatness")
+                  "rms_db", "clipped", "flatness", "expected_s", "pace")
 
 
 def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, report: bool = True) -> dict:
     """Score every clip under `root` (a job folder, one part, or a sharded job's root); write
-    ROOT/qc.parquet (and ROOT/report.html). Returns the summary."""
+    ROOT/qc.parquet (and ROOT/report.html). Returns the summary. The clips are judged by the run's
+    own gate (`QualityGate.verdicts`), on the samples as written."""
     import soundfile
 
-    from .asr import error_rates
+    from .takes import Clip, QualityGate
 
     root = Path(root)
     paths = shards(root, "score")  # one job's parts, as merge requires, each shard with its journal's items
-    history = PaceHistory()
+    gate = QualityGate(replace(settings, retries=0), seed, 0.0, transcriber)  # a finished clip has no retake
     rows: list[dict] = []
     for shard, expected in paths:
-        pending: list[tuple[dict, Verdict, object, int]] = []
+        clips: list[Clip] = []
+        silences: list[float] = []
         for key, meta, wav in iter_shard(shard, expected):  # the journal's key, id and checksum, checked
             audio, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
-            signals = measure(audio, rate, meta["text"], raw=[audio]).as_dict()
             made = meta.get("qc") if isinstance(meta.get("qc"), dict) else {}
             voice = meta.get("voice") or ""
-            silence = float((meta.get("settings") or {}).get("sentence_silence") or 0.0)
-            verdict = assess(signals, made.get("lm"), voice, history, settings.limits, silence)
             row = {"id": meta["id"], "key": key, "shard": str(shard.relative_to(root)), "voice": voice,
                    "text": meta["text"], "duration_s": meta["duration"]}
             rows.append(row)
-            pending.append((row, verdict, audio, rate))
-        wanted = [p for p in pending if transcriber is not None and wants_asr(p[1], settings, seed, p[0]["id"])
-                  and transcriber.hears(None)]
-        for start in range(0, len(wanted), 32):
-            chunk = wanted[start : start + 32]
-            heard = transcriber.transcribe([(audio, rate) for _, _, audio, rate in chunk])
-            for (row, verdict, _, _), text in zip(chunk, heard, strict=True):
-                cer, wer = error_rates(row["text"], text)
-                verdict.asr = {"text": text, "cer": cer, "wer": wer}
-        for row, verdict, _, _ in pending:
-            judge(verdict, settings)
-            record = verdict.record(settings.limits)
-            row.update(qc_columns(record))
-            row.update({name: verdict.signals.get(name) for name in SIGNAL_COLUMNS})
-            row["lm_stop"] = (verdict.lm or {}).get("stop")
-            row["reason"] = verdict.reason
+            clips.append(Clip(row, meta["id"], len(rows), meta["text"], voice, rate, audio=audio, raw=[audio],
+                              lm=made.get("lm"), language=meta.get("language"),
+                              expected_s=_positive((made.get("signals") or {}).get("expected_s"))))
+            silences.append(_positive((meta.get("settings") or {}).get("sentence_silence")) or 0.0)
+        # A job's clips share one --sentence-silence; clips of folders merged from other runs may not.
+        for silence in sorted(set(silences)):
+            group = [c for c, s in zip(clips, silences, strict=True) if s == silence]
+            gate.sentence_silence = silence
+            for clip, record in zip(group, gate.verdicts(group), strict=True):
+                row = clip.ref
+                row.update(qc_columns(record))
+                row.update({name: record["signals"].get(name) for name in SIGNAL_COLUMNS})
+                row["lm_stop"] = (record.get("lm") or {}).get("stop")
+                row["reason"] = record.get("reason")
+                if (record.get("asr") or {}).get("words"):
+                    row["words"] = json.dumps(record["asr"]["words"], ensure_ascii=False)
     _write_table(root / QC_FILE, rows)
     summary = _summary(rows, settings)
+    summary["calibration"] = gate.calibration.report(settings.limits)
     if report:
         write_job_report(root, rows, summary, seed)
     return summary
+
+
+def _positive(value) -> Optional[float]:
+    """A positive finite number from a KEY.json field, or None."""
+    return float(value) if _number(value) and value > 0 else None
 
 
 def _write_table(path: Path, rows: list[dict]) -> None:
@@ -101,11 +107,13 @@ def _summary(rows: list[dict], settings: QCSettings) -> dict:
         for f in r["qc_flags"].split(","):
             counts[f] = counts.get(f, 0) + 1
     cers = [r["qc_cer"] for r in rows if r.get("qc_cer") is not None]
+    supports = [r["qc_support"] for r in rows if r.get("qc_support") is not None]
     hours = round(sum(r["duration_s"] for r in rows) / 3600, 4)
     return {"mode": settings.mode, "clips": len(rows), "hours": hours,
             "passed": sum(1 for r in rows if r.get("qc_pass")),
             "failed": sum(1 for r in rows if r.get("qc_pass") is False),
-            "flagged": len(flagged), "flags": dict(sorted(counts.items())), "transcribed": len(cers),
+            "flagged": len(flagged), "flags": dict(sorted(counts.items())), "transcribed": len(cers) + len(supports),
+            "support_mean": round(sum(supports) / len(supports), 4) if supports else None,
             "cer_mean": round(sum(cers) / len(cers), 4) if cers else None}
 
 

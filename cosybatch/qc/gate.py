@@ -6,13 +6,22 @@ Modes (``--qc``):
            nothing is retried or dropped. The default.
   gate     as signals, and a flagged clip fails: it is made again with a new seed, up to
            ``--qc-retries`` times, then dropped or kept marked failing (``--qc-on-fail``)
-  asr      as gate, and the clips chosen by ``--qc-asr-rows`` are transcribed: a clip passes when
-           its CER (and WER, if a limit is set) is within the limit and no hard flag is raised
+  asr      as gate, and the clips chosen by ``--qc-asr-rows`` (all, by default) are heard: Whisper
+           scores the text the clip should say against its audio (cosybatch.qc.asr.Transcriber.score);
+           a clip passes when the audio supports its text, no speech runs past or between the
+           text's words, and no hard flag is raised. A clip too long for one Whisper window is
+           transcribed instead and passes on its CER (and WER, if a limit is set)
 
 Flags are hard (the clip is wrong whatever the ASR hears: the LM hit its length cap or gave
 non-finite logits, a loop of one speech token, the clip stops mid-speech, a long silence, noise,
-clipping) or soft (speech rate or speech share far from the voice's usual: a cut or a repeat is
-likely, the ASR decides when it runs; without ASR the flag fails the clip).
+clipping, a length far from what its engine expects) or soft (speech rate or speech share far from
+the voice's usual: the ASR decides when it runs; without ASR the flag fails the clip).
+
+The length is judged against the engine's own expectation of each clip (`Engine.estimate_seconds`):
+the pace, log(speech seconds / expected seconds), is judged against the voice's clips that passed
+(a robust z), and before a voice has MIN_HISTORY of them against the expectation itself. Only
+clips that pass join the history, so a run whose clips are mostly broken does not learn broken
+clips as the norm.
 """
 
 from __future__ import annotations
@@ -21,14 +30,15 @@ import hashlib
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional
+from typing import ClassVar, Optional
 
 from ..errors import UsageError
 
 MODES = ("off", "signals", "gate", "asr")
 ASR_ROWS = ("flagged", "all", "sample")
 ON_FAIL = ("drop", "keep")
-HARD = ("length_cap", "nonfinite", "token_loop", "cut_end", "long_lead", "long_tail", "long_gap", "noise", "clipped")
+HARD = ("length_cap", "nonfinite", "token_loop", "cut_end", "long_lead", "long_tail", "long_gap", "noise", "clipped",
+        "too_long", "too_short")
 SOFT = ("fast", "slow", "low_speech")
 HISTORY = 2000  # clips per voice the speech-rate median is taken over
 
@@ -37,9 +47,15 @@ HISTORY = 2000  # clips per voice the speech-rate median is taken over
 class Limits:
     """The thresholds; any of them can be set in a job spec's ``[qc]`` table."""
 
-    max_cer: float = 0.20
+    max_cer: float = 0.20  # clips too long for one window, transcribed
     max_wer: Optional[float] = None
-    max_z: float = 4.0  # robust z-score of log(seconds per spoken character) against the voice's median
+    # Hearing by scoring (docs/quality.md gives the figures these were set from, on two text domains):
+    min_support: float = 3.0  # mean log-probability gain of the text's tokens with the audio over without
+    min_word_support: float = 0.0  # the same over the weakest WORST_SPAN tokens: a word or two missing
+    max_beyond_s: float = 0.5  # speech after the text's last word starts
+    max_stretch_s: float = 1.0  # speech within one token's span of the alignment
+    max_z: float = 4.0  # robust z of log(seconds per spoken character), for engines with no expectation
+    max_pace_z: float = 4.0  # robust z of the pace against the expectation (too_long, too_short)
     min_history: int = 8  # clips of a voice before its speech rate is judged
     max_lead_s: float = 1.0
     max_tail_s: float = 1.0
@@ -60,7 +76,7 @@ class Limits:
 @dataclass(frozen=True)
 class QCSettings:
     mode: str = "signals"
-    asr_rows: str = "flagged"
+    asr_rows: str = "all"
     sample: float = 0.1
     retries: int = 2
     on_fail: str = "drop"
@@ -104,26 +120,86 @@ def sampled(seed: int, item_id: str, share: float) -> bool:
 
 
 class PaceHistory:
-    """Each voice's recent speech rates (log seconds per spoken character), for a robust z-score:
-    (x - median) / (1.4826 MAD), the MAD floored so a very even voice is not judged too finely."""
+    """Each voice's recent clips that passed, for a robust z-score (x - median) / (1.4826 MAD), the
+    MAD floored so a very even voice is not judged too finely. Two measures, kept apart:
+
+    - the pace, log(speech seconds / the engine's expected seconds), when the engine expects a
+      length: before the voice has `min_history` clips, judged against the expectation itself
+      (centre 0, MAD PRIOR_MAD); after, against the voice's clips, the centre held within
+      CENTRE_BAND of the expectation;
+    - the speech rate, log(voiced seconds per spoken character), otherwise (no prior)."""
 
     MAD_FLOOR = 0.04
+    # log units. The expectation's own spread: Piper's per-id frame rate runs 1.94-2.78 frames
+    # per id over pieces (5th-95th percentile), and whole clips of the example and held-out corpora
+    # lie within about +-0.25 of it (docs/quality.md).
+    PRIOR_MAD = 0.05
+    CENTRE_BAND = 0.2
 
     def __init__(self) -> None:
-        self.by_voice: dict[str, deque] = {}
+        self.by_voice: dict[tuple, deque] = {}
 
-    def add(self, voice: str, s_per_unit: Optional[float]) -> None:
-        if s_per_unit:
-            self.by_voice.setdefault(voice, deque(maxlen=HISTORY)).append(math.log(s_per_unit))
+    def add(self, voice: str, value: Optional[float], kind: str = "rate") -> None:
+        """A clip that passed: its pace (`kind` "pace", already a log) or speech rate (s per unit)."""
+        if value is None or (kind == "rate" and not value > 0):
+            return
+        self.by_voice.setdefault((kind, voice), deque(maxlen=HISTORY)).append(
+            value if kind == "pace" else math.log(value))
 
-    def z(self, voice: str, s_per_unit: Optional[float], min_history: int) -> Optional[float]:
-        seen = self.by_voice.get(voice)
-        if not s_per_unit or seen is None or len(seen) < min_history:
+    def z(self, voice: str, value: Optional[float], min_history: int, kind: str = "rate") -> Optional[float]:
+        if value is None or (kind == "rate" and not value > 0):
             return None
+        x = value if kind == "pace" else math.log(value)
+        seen = self.by_voice.get((kind, voice))
+        if seen is None or len(seen) < min_history:
+            if kind != "pace":
+                return None
+            return round(x / (1.4826 * self.PRIOR_MAD), 3)
         values = sorted(seen)
         median = _median(values)
         mad = max(_median(sorted(abs(v - median) for v in values)), self.MAD_FLOOR)
-        return round((math.log(s_per_unit) - median) / (1.4826 * mad), 3)
+        if kind == "pace":
+            median = min(max(median, -self.CENTRE_BAND), self.CENTRE_BAND)
+        return round((x - median) / (1.4826 * mad), 3)
+
+
+class Calibration:
+    """The hearing limits per voice, adapted to the scores its clips that passed get on this corpus:
+    a limit moves down to (median - CAL_K x 1.4826 MAD) of the voice's passing clips, once it has
+    CAL_MIN of them, never further than CAL_SLACK below the configured limit. A hard text domain
+    (names, foreign words) scores lower than the text the defaults were set on; its clips then
+    are not dropped for it, and the limits used are reported (stats.json, the audit page)."""
+
+    CAL_MIN = 16
+    CAL_K = 4.0
+    CAL_SLACK: ClassVar[dict] = {"support": 1.5, "worst": 3.0}
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, deque] = {}
+
+    def add(self, voice: str, asr: dict) -> None:
+        for name in ("support", "worst"):
+            if asr.get(name) is not None:
+                self.seen.setdefault((name, voice), deque(maxlen=HISTORY)).append(asr[name])
+
+    def limit(self, voice: str, name: str, configured: float) -> float:
+        seen = self.seen.get((name, voice))
+        if seen is None or len(seen) < self.CAL_MIN:
+            return configured
+        values = sorted(seen)
+        median = _median(values)
+        mad = max(_median(sorted(abs(v - median) for v in values)), 0.05)
+        adapted = median - self.CAL_K * 1.4826 * mad
+        return round(max(min(configured, adapted), configured - self.CAL_SLACK[name]), 3)
+
+    def limits(self, voice: str, limits: Limits) -> dict:
+        return {"min_support": self.limit(voice, "support", limits.min_support),
+                "min_word_support": self.limit(voice, "worst", limits.min_word_support)}
+
+    def report(self, limits: Limits) -> dict:
+        """voice -> the limits in use and the passing clips they came from."""
+        voices = sorted({voice for _, voice in self.seen})
+        return {v: {**self.limits(v, limits), "clips": len(self.seen.get(("support", v), ()))} for v in voices}
 
 
 def _median(sorted_values: list[float]) -> float:
@@ -132,7 +208,8 @@ def _median(sorted_values: list[float]) -> float:
     return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2
 
 
-def flags(signals: dict, lm: Optional[dict], z: Optional[float], limits: Limits, sentence_silence: float) -> list[str]:
+def flags(signals: dict, lm: Optional[dict], z: Optional[float], limits: Limits, sentence_silence: float,
+          pace_z: Optional[float] = None) -> list[str]:
     """The flags a clip's signals raise (hard ones first, in HARD and SOFT order)."""
     raised = set()
     if lm:
@@ -154,6 +231,10 @@ def flags(signals: dict, lm: Optional[dict], z: Optional[float], limits: Limits,
         raised.add("noise")
     if signals["clipped"] > limits.max_clipped:
         raised.add("clipped")
+    if pace_z is not None and pace_z > limits.max_pace_z:
+        raised.add("too_long")
+    if pace_z is not None and pace_z < -limits.max_pace_z:
+        raised.add("too_short")
     if z is not None and z > limits.max_z:
         raised.add("slow")
     if z is not None and z < -limits.max_z:
@@ -163,16 +244,40 @@ def flags(signals: dict, lm: Optional[dict], z: Optional[float], limits: Limits,
     return [f for f in (*HARD, *SOFT) if f in raised]
 
 
+def pace(signals: dict, expected_s: Optional[float]) -> Optional[float]:
+    """log(speech seconds / expected seconds), the speech being from its first sound to its last."""
+    if not expected_s or expected_s <= 0 or signals.get("speech_s", 0) <= 0:
+        return None
+    return round(math.log(signals["speech_s"] / expected_s), 4)
+
+
 def assess(signals: dict, lm: Optional[dict], voice: str, history: PaceHistory, limits: Limits,
-           sentence_silence: float, attempt: int = 0, learn: bool = True) -> Verdict:
-    """A clip's verdict before any ASR and judgement: its speech-rate z against the voice's clips
-    so far, and the flags its signals raise. With `learn`, a clip raising no hard flag then joins
-    the voice's history (a run learns from first takes only)."""
-    z = history.z(voice, signals["s_per_unit"], limits.min_history)
-    raised = flags(signals, lm, z, limits, sentence_silence)
-    if learn and not any(f in HARD for f in raised):
-        history.add(voice, signals["s_per_unit"])
-    return Verdict(attempt, signals, raised, lm, z)
+           sentence_silence: float, attempt: int = 0, expected_s: Optional[float] = None) -> Verdict:
+    """A clip's verdict before any hearing and judgement: its pace against the voice's clips so far
+    (or, when its engine expects no length, its speech rate), and the flags its signals raise.
+    Nothing joins the history here: `learn` adds the clip once it is judged."""
+    expected_s = round(expected_s, 4) if expected_s else None  # as recorded: `cosybatch qc` judges by the record
+    p = pace(signals, expected_s)
+    if p is not None:
+        signals = {**signals, "expected_s": expected_s, "pace": p}
+        pace_z, z = history.z(voice, p, limits.min_history, kind="pace"), None
+    else:
+        pace_z, z = None, history.z(voice, signals["s_per_unit"], limits.min_history)
+    raised = flags(signals, lm, z, limits, sentence_silence, pace_z)
+    return Verdict(attempt, signals, raised, lm, pace_z if p is not None else z)
+
+
+def learn(verdict: Verdict, voice: str, history: PaceHistory, calibration: Optional[Calibration] = None) -> None:
+    """A first take that raised no flag and was not failed joins its voice's history (and its
+    hearing scores the calibration)."""
+    if verdict.attempt != 0 or verdict.flags or verdict.passed is False:
+        return
+    if "pace" in verdict.signals:
+        history.add(voice, verdict.signals["pace"], kind="pace")
+    else:
+        history.add(voice, verdict.signals["s_per_unit"])
+    if calibration is not None and verdict.asr is not None:
+        calibration.add(voice, verdict.asr)
 
 
 @dataclass
@@ -195,8 +300,12 @@ class Verdict:
             parts.append(2.0)
         if self.z is not None:
             parts.append(abs(self.z) / limits.max_z)
-        if self.asr is not None:
+        if self.asr is not None and self.asr.get("cer") is not None:
             parts.append(self.asr["cer"] / max(limits.max_cer, 1e-6))
+        if self.asr is not None and self.asr.get("support") is not None:
+            short = limits.min_support - self.asr["support"]
+            parts += [(1 + short / 2) if short > 0 else 0.0, self.asr["beyond_s"] / max(limits.max_beyond_s, 1e-6),
+                      self.asr["stretch_s"] / max(limits.max_stretch_s, 1e-6)]
         parts.append(max(0.0, limits.min_speech_share - self.signals["speech_share"]) * 4)
         return round(max(parts), 4)
 
@@ -216,8 +325,9 @@ class Verdict:
         return out
 
 
-def judge(verdict: Verdict, settings: QCSettings) -> None:
-    """Set `passed` and `reason` of an attempt whose signals (and ASR, if it ran) are in."""
+def judge(verdict: Verdict, settings: QCSettings, limits: Optional[dict] = None) -> None:
+    """Set `passed` and `reason` of an attempt whose signals (and hearing, if it ran) are in.
+    `limits` are the voice's calibrated hearing limits (`Calibration.limits`), if any."""
     if not settings.gating:
         return
     lim = settings.limits
@@ -226,16 +336,34 @@ def judge(verdict: Verdict, settings: QCSettings) -> None:
     why = []
     if hard:
         why.append(", ".join(hard))
-    if verdict.asr is not None:
-        cer, wer = verdict.asr["cer"], verdict.asr["wer"]
+    asr = verdict.asr
+    if asr is not None and asr.get("support") is not None:
+        limits = limits or {"min_support": lim.min_support, "min_word_support": lim.min_word_support}
+        if asr["support"] < limits["min_support"]:
+            why.append(f"text not heard (support {asr['support']:.2f} < {limits['min_support']:.2f})")
+        elif asr["worst"] < limits["min_word_support"]:
+            why.append(f"words not heard (support {asr['worst']:.2f} < {limits['min_word_support']:.2f} "
+                       f"near {_weakest(asr)!r})")
+        if asr["beyond_s"] > lim.max_beyond_s:
+            why.append(f"speech past the text ({asr['beyond_s']:.2f} s > {lim.max_beyond_s:g} s)")
+        if asr["stretch_s"] > lim.max_stretch_s:
+            why.append(f"speech the text does not account for ({asr['stretch_s']:.2f} s > {lim.max_stretch_s:g} s)")
+    elif asr is not None:
+        cer, wer = asr["cer"], asr["wer"]
         if cer > lim.max_cer:
-            why.append(f"cer {cer:.2f} > {lim.max_cer:.2f}")
+            why.append(f"cer {cer:.3g} > {lim.max_cer:g}")
         if lim.max_wer is not None and wer > lim.max_wer:
-            why.append(f"wer {wer:.2f} > {lim.max_wer:.2f}")
+            why.append(f"wer {wer:.3g} > {lim.max_wer:g}")
     elif soft:
         why.append(", ".join(soft))  # no ASR to settle it: the flag decides
     verdict.passed = not why
     verdict.reason = "; ".join(why) or None
+
+
+def _weakest(asr: dict) -> str:
+    """The word the audio supports least (the words carry their probability with the audio)."""
+    words = [w for w in asr.get("words") or () if any(c.isalnum() for c in w[0])]
+    return min(words, key=lambda w: w[3])[0] if words else ""
 
 
 def wants_asr(verdict: Verdict, settings: QCSettings, seed: int, item_id: str) -> bool:
@@ -259,15 +387,18 @@ class QCCounts:
     flagged: int = 0  # first takes with any flag
     flags: dict = field(default_factory=dict)  # flag -> first takes raising it
     dead: int = 0  # first takes with no speech at all (empty, NaN, constant)
-    transcribed: int = 0  # takes the ASR heard (every attempt)
+    transcribed: int = 0  # takes the ASR heard, scored or transcribed (every attempt)
     cer_sum: float = 0.0  # over first takes transcribed
     cer_n: int = 0
+    support_sum: float = 0.0  # over first takes scored
+    support_n: int = 0
     retries: int = 0  # takes after the first
     passed_after_retry: int = 0
     failed: int = 0  # rows dropped by the gate
     kept_failing: int = 0  # rows kept marked qc.pass = false (--qc-on-fail keep)
     passed: int = 0  # committed rows the gate passed
     by_voice: dict = field(default_factory=dict)  # voice -> [committed, passed]
+    calibration: dict = field(default_factory=dict)  # voice -> the hearing limits in use (the latest report)
 
     def first_take(self, raised: list[str]) -> None:
         self.measured += 1
@@ -275,6 +406,12 @@ class QCCounts:
             self.flagged += 1
         for f in raised:
             self.flags[f] = self.flags.get(f, 0) + 1
+
+    def heard_take(self, attempt: int, support: float) -> None:
+        self.transcribed += 1
+        if attempt == 0:
+            self.support_sum += support
+            self.support_n += 1
 
     def transcribed_take(self, attempt: int, cer: float) -> None:
         self.transcribed += 1
@@ -295,6 +432,8 @@ class QCCounts:
             if name == "flags":
                 for f, n in value.items():
                     self.flags[f] = self.flags.get(f, 0) + n
+            elif name == "calibration":
+                self.calibration.update(value)
             elif name == "by_voice":
                 for voice, (c, p) in value.items():
                     entry = self.by_voice.setdefault(voice, [0, 0])
@@ -312,10 +451,13 @@ class QCCounts:
                "flags": dict(sorted(self.flags.items())), "dead": self.dead}
         if settings.mode == "asr":
             out.update(asr_rows=settings.asr_rows, transcribed=self.transcribed,
+                       support_mean=round(self.support_sum / self.support_n, 4) if self.support_n else None,
                        cer_mean=round(self.cer_sum / self.cer_n, 4) if self.cer_n else None)
         if settings.gating:
             out.update(passed=self.passed, retries=self.retries, passed_after_retry=self.passed_after_retry,
                        failed=self.failed, kept_failing=self.kept_failing,
                        limits=asdict(settings.limits), on_fail=settings.on_fail, max_retries=settings.retries)
         out["by_voice"] = {v: {"committed": c, "passed": p} for v, (c, p) in sorted(self.by_voice.items())}
+        if self.calibration:
+            out["calibration"] = dict(sorted(self.calibration.items()))
         return out

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .gate import PaceHistory, QCCounts, QCSettings, Verdict, assess, judge, wants_asr
+from .gate import Calibration, PaceHistory, QCCounts, QCSettings, Verdict, assess, judge, learn, wants_asr
 from .signals import measure
 
 log = logging.getLogger("cosybatch")
@@ -44,6 +44,7 @@ class Clip:
     raw: Optional[list] = None  # the pieces before joining and normalisation (clipping is measured there)
     lm: Optional[dict] = None  # what an LM-based engine said of the row (stop reason, token runs)
     language: Optional[str] = None
+    expected_s: Optional[float] = None  # how long the engine expects the clip to be; None: it cannot say
 
 
 @dataclass
@@ -88,6 +89,7 @@ class QualityGate:
         self.on_retry = on_retry or (lambda n: None)
         self.counts = QCCounts()  # what this gate saw since the last `take_counts`
         self.history = PaceHistory()
+        self.calibration = Calibration()
         self.retries = settings.retries if settings.gating else 0
         if self.retries and not can_retake:
             log.warning("engine %r cannot make a row again with new seeds (its prepare() takes no `attempt`): "
@@ -107,14 +109,20 @@ class QualityGate:
             self._deaf(language)
 
     def seed_history(self, items: Iterable[dict]) -> None:
-        """Resume: the speech rates of the clips already committed, so the z-scores go on from them."""
+        """Resume: the paces (or speech rates) of the clips already committed that passed unflagged,
+        so the z-scores go on from them."""
         for item in items:
-            if item.get("qc_s_per_unit") and item.get("qc_pass") is not False:
+            if item.get("qc_flags") or item.get("qc_pass") is False:
+                continue
+            if item.get("qc_pace") is not None:
+                self.history.add(item.get("voice") or "", item["qc_pace"], kind="pace")
+            elif item.get("qc_s_per_unit"):
                 self.history.add(item.get("voice") or "", item["qc_s_per_unit"])
 
     def take_counts(self) -> QCCounts:
         """What the gate saw since the last call (the job adds it to its own counts)."""
         counts, self.counts = self.counts, QCCounts()
+        counts.calibration = self.calibration.report(self.settings.limits)
         return counts
 
     # -- the whole path -----------------------------------------------------------------------
@@ -134,11 +142,8 @@ class QualityGate:
         active, current = tracks, list(clips)
         attempt = 0
         while active:
-            takes = [self._take(c, attempt) for c in current]
-            self._transcribe([t for t in takes if t.verdict is not None and self._wants_asr(t)])
+            takes = self._judged([self._take(c, attempt) for c in current])
             for track, take in zip(active, takes, strict=True):
-                if take.verdict is not None:
-                    judge(take.verdict, self.settings)
                 track.takes.append(take)
             again = [t for t in active if attempt < self.retries and _may_retry(t.takes[-1])]
             if not again:
@@ -162,6 +167,22 @@ class QualityGate:
                 current.append(redone)
         return [self._outcome(track) for track in tracks]
 
+    def verdicts(self, clips: list[Clip]) -> list[dict]:
+        """Each clip's KEY.json ``qc`` record as the gate would judge it, with no retake: what
+        `cosybatch qc` records of a finished folder's clips."""
+        return [take.record(self.settings.limits) for take in self._judged([self._take(c, 0) for c in clips])]
+
+    def _judged(self, takes: list[_Take]) -> list[_Take]:
+        """Takes heard (those the gate wants heard) and judged; first takes that pass join the history."""
+        self._hear([t for t in takes if t.verdict is not None and self._wants_asr(t)])
+        for take in takes:
+            if take.verdict is None:
+                continue
+            voice = take.clip.voice
+            judge(take.verdict, self.settings, self.calibration.limits(voice, self.settings.limits))
+            learn(take.verdict, voice, self.history, self.calibration)
+        return takes
+
     # -- one take -----------------------------------------------------------------------------
     def _take(self, clip: Clip, attempt: int) -> _Take:
         if clip.audio is None:
@@ -171,7 +192,7 @@ class QualityGate:
         raw = clip.raw if clip.raw is not None else ()
         signals = measure(clip.audio, clip.sample_rate, clip.text, raw=raw).as_dict()
         verdict = assess(signals, clip.lm, clip.voice, self.history, self.settings.limits, self.sentence_silence,
-                         attempt, learn=attempt == 0)
+                         attempt, clip.expected_s)
         if attempt == 0:
             self.counts.first_take(verdict.flags)
         return _Take(clip, attempt, verdict)
@@ -192,18 +213,26 @@ class QualityGate:
                         self.transcriber.model_dir.name, language)
         return True
 
-    def _transcribe(self, takes: list[_Take]) -> None:
+    def _hear(self, takes: list[_Take]) -> None:
+        """Each take's text scored against its audio; a clip too long for that is transcribed."""
         from .asr import error_rates
 
         by_language: dict = {}
         for take in takes:
             by_language.setdefault(take.clip.language, []).append(take)
         for language, group in by_language.items():
-            texts = self.transcriber.transcribe([(t.clip.audio, t.clip.sample_rate) for t in group], language)
-            for take, heard in zip(group, texts, strict=True):
-                cer, wer = error_rates(take.clip.text, heard, language)
-                take.verdict.asr = {"text": heard, "cer": cer, "wer": wer}
-                self.counts.transcribed_take(take.attempt, cer)
+            heard = self.transcriber.score([(t.clip.audio, t.clip.sample_rate, t.clip.text) for t in group], language)
+            for take, found in zip(group, heard, strict=True):
+                if found is not None:
+                    take.verdict.asr = found.as_dict()
+                    self.counts.heard_take(take.attempt, found.support)
+            long = [t for t, found in zip(group, heard, strict=True) if found is None]
+            if long:
+                texts = self.transcriber.transcribe([(t.clip.audio, t.clip.sample_rate) for t in long], language)
+                for take, text in zip(long, texts, strict=True):
+                    cer, wer = error_rates(take.clip.text, text, language)
+                    take.verdict.asr = {"text": text, "cer": cer, "wer": wer}
+                    self.counts.transcribed_take(take.attempt, cer)
 
     # -- the outcome --------------------------------------------------------------------------
     def _outcome(self, track: _Track) -> Settled:

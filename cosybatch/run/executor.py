@@ -39,6 +39,7 @@ class PendingRow:
     texts: Optional[list] = None  # per piece, what it says (Piece.text); None: the engine does not tell
     entry: Optional[PoolEntry] = None  # the pool's voice the job chose for it (its retakes keep it)
     meta: Optional[dict] = None  # KEY.json fields of this row: speaker, prompt, language, prosody
+    expected_s: Optional[float] = None  # how long its engine expects the clip to be (`expected_seconds`)
 
 
 @dataclass
@@ -72,6 +73,16 @@ def clip_fault(audio: np.ndarray) -> Optional[str]:
         return (f"the engine returned constant audio ({audio.size} samples all {float(audio[0]):g}); "
                 "check the model's weights")
     return None
+
+
+def expected_seconds(engine, pieces, sentence_silence: float) -> Optional[float]:
+    """How long the clip of `pieces` (one row's, from the engine's prepare) should be, by the
+    engine's own estimate of each piece, with the silence `assemble_audio` puts between them; None
+    when the engine cannot say for a piece."""
+    each = [engine.estimate_seconds(piece) for piece in pieces]
+    if not each or any(s is None for s in each):
+        return None
+    return sum(each) + sentence_silence * (len(each) - 1)
 
 
 def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
@@ -382,13 +393,14 @@ class RowAssembler:
         self.lock = threading.Lock()
         self._next_key = 0
 
-    def add(self, row: Row, prepared: Prepared, group: str, entry: Optional[PoolEntry] = None) -> list[Unit]:
+    def add(self, row: Row, prepared: Prepared, group: str, entry: Optional[PoolEntry] = None,
+            expected_s: Optional[float] = None) -> list[Unit]:
         key, self._next_key = self._next_key, self._next_key + 1
         with self.lock:
             self.rows[key] = PendingRow(row, prepared.text, group, [None] * len(prepared.pieces),
                                         len(prepared.pieces), label=prepared.voice, instruct=prepared.instruct,
                                         texts=[piece.text for piece in prepared.pieces], entry=entry,
-                                        meta=prepared.meta)
+                                        meta=prepared.meta, expected_s=expected_s)
         return [Unit(key, part, piece.cost, group, piece.payload) for part, piece in enumerate(prepared.pieces)]
 
     def take(self, outcome: Outcome) -> list[PendingRow]:

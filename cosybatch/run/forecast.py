@@ -25,7 +25,7 @@ from typing import Optional
 from ..config import RunConfig
 from ..corpus import Row
 from ..store.checkpoint import STATS_FILE
-from .executor import BatchPolicy, EngineSet
+from .executor import BatchPolicy, EngineSet, expected_seconds
 from .line import Admission, Reading, RowLine
 from .preflight import check, open_corpus, part_config
 
@@ -54,11 +54,10 @@ class _Estimating(EngineSet):
         self.rows += 1
         self.pieces += len(prepared.pieces)
         if self.seconds is not None:
-            each = [engine.estimate_seconds(piece) for piece in prepared.pieces]
-            if any(s is None for s in each):
+            clip = expected_seconds(engine, prepared.pieces, self.cfg.output.sentence_silence_s)
+            if clip is None:
                 self.seconds = self.samples = None
             else:
-                clip = sum(each) + self.cfg.output.sentence_silence_s * (len(each) - 1)
                 self.seconds += clip
                 self.samples += round(clip * engine.sample_rate)
         return group, prepared, entry

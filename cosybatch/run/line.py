@@ -33,6 +33,7 @@ from ..qc.takes import Clip, QualityGate, Settled
 from ..store.checkpoint import DUPLICATE_ID
 from ..store.distributed import shard_of
 from ..store.items import render_item, source_hash
+from ..store.shards import as_committed, committed_pcm
 from .executor import (
     BatchPolicy,
     ClipRejected,
@@ -41,6 +42,7 @@ from .executor import (
     PendingRow,
     RowAssembler,
     assemble_audio,
+    expected_seconds,
     row_extra,
     run_batch,
     segment_times,
@@ -150,7 +152,11 @@ class RowLine:
             group, prepared, entry = self.engines.prepare(row, attempt, entry)
         except RowRejected as exc:
             return {"id": row.id, "row": row.index, "reason": str(exc)}
-        return (assembler or self.assembler).add(row, prepared, group, entry)
+        expected = None
+        if self.gate is not None and self.gate.active:
+            engine = self.engines.by_voice[group]
+            expected = expected_seconds(engine, prepared.pieces, self.cfg.output.sentence_silence_s)
+        return (assembler or self.assembler).add(row, prepared, group, entry, expected)
 
     def windows(self, rows: Iterable, admission: Admission, stopped: Callable[[], bool],
                 reading: Reading) -> Iterator[tuple[str, list]]:
@@ -272,12 +278,14 @@ class RowLine:
         engine = self.engines.by_voice[p.voice]
         clip = Clip(p, p.row.id, p.row.index, p.text, p.label or engine.voice_name, engine.sample_rate,
                     lm=_merge_lm(p.lm), raw=p.parts,
-                    language=getattr(engine, "language", None) or p.row.language or text_language(p.text))
+                    language=getattr(engine, "language", None) or p.row.language or text_language(p.text),
+                    expected_s=p.expected_s)
         if p.error:
             clip.error = p.error
             return clip
         try:
-            clip.audio = assemble_audio(p.parts, engine.sample_rate, self.cfg)
+            # The gate judges the samples as committed: what `cosybatch qc` and every reader decode.
+            clip.audio = as_committed(assemble_audio(p.parts, engine.sample_rate, self.cfg))
         except ClipRejected as exc:
             clip.error, clip.dead = str(exc), True
         return clip
@@ -286,7 +294,7 @@ class RowLine:
         p: PendingRow = settled.clip.ref
         engine = self.engines.by_voice[p.voice]
         segments = segment_times(p.parts, p.texts, engine.sample_rate, self.cfg)
-        return render_item(p.row, p.text, settled.clip.audio, engine, self.cfg, p.label, p.instruct,
+        return render_item(p.row, p.text, committed_pcm(settled.clip.audio), engine, self.cfg, p.label, p.instruct,
                            qc=settled.qc, extra=row_extra(p), segments=segments)
 
 

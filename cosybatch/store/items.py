@@ -20,8 +20,8 @@ def render_item(row: Row, text: str, audio: np.ndarray, engine: Any, cfg: Any,
                 voice: Optional[str] = None, instruct: Optional[str] = None,
                 qc: Optional[dict] = None, extra: Optional[dict] = None,
                 segments: Optional[list] = None) -> tuple[str, dict, dict]:
-    """A finished row's clip (from `assemble_audio`) -> (shard key, tar members {ext: bytes},
-    manifest record). `engine` is the engine that made it (its name, voice, sample rate and
+    """A finished row's clip (float from `assemble_audio`, or its int16 samples) -> (shard key, tar
+    members {ext: bytes}, manifest record). `engine` is the engine that made it (its name, voice, sample rate and
     fingerprint are recorded) and `cfg` the run's config (its seed, --sentence-silence and
     --normalize). `voice` is the row's own voice when the engine serves several (fixed when the
     row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `extra` the row's
@@ -88,7 +88,8 @@ def source_hash(row: Row) -> str:
 # The manifest's QC columns (store/checkpoint.py OPTIONAL_MANIFEST_COLUMNS), from a KEY.json "qc".
 QC_COLUMNS = (("qc_pass", "bool_"), ("qc_flags", "string"), ("qc_score", "float64"), ("qc_cer", "float64"),
               ("qc_wer", "float64"), ("qc_attempts", "int32"), ("qc_z", "float64"),
-              ("qc_speech_share", "float64"), ("qc_s_per_unit", "float64"), ("qc_asr_text", "string"))
+              ("qc_speech_share", "float64"), ("qc_s_per_unit", "float64"), ("qc_asr_text", "string"),
+              ("qc_pace", "float64"), ("qc_support", "float64"))
 
 
 def qc_columns(qc: dict) -> dict:
@@ -98,4 +99,5 @@ def qc_columns(qc: dict) -> dict:
     return {"qc_pass": qc.get("pass"), "qc_flags": ",".join(qc.get("flags", ())), "qc_score": qc.get("score"),
             "qc_cer": asr.get("cer"), "qc_wer": asr.get("wer"), "qc_attempts": len(qc.get("attempts", ())) or 1,
             "qc_z": qc.get("z"), "qc_speech_share": signals.get("speech_share"),
-            "qc_s_per_unit": signals.get("s_per_unit"), "qc_asr_text": asr.get("text")}
+            "qc_s_per_unit": signals.get("s_per_unit"), "qc_asr_text": asr.get("text"),
+            "qc_pace": signals.get("pace"), "qc_support": asr.get("support")}

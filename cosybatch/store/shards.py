@@ -47,11 +47,28 @@ def shard_name(index: int) -> str:
     return f"shard-{index:06d}.tar"
 
 
+def pcm16(audio: np.ndarray) -> np.ndarray:
+    """float audio in [-1, 1] -> the 16-bit samples a WAV member holds."""
+    return np.clip(np.round(np.asarray(audio, dtype=np.float64) * 32767.0), -32768, 32767).astype(np.int16)
+
+
+def as_committed(audio: np.ndarray) -> np.ndarray:
+    """float audio -> the float32 a reader of its WAV member gets (soundfile scales PCM by 1/32768):
+    what the quality gate judges, so that the run and `cosybatch qc` hear the same samples."""
+    return pcm16(audio).astype(np.float32) / np.float32(32768.0)
+
+
+def committed_pcm(committed: np.ndarray) -> np.ndarray:
+    """`as_committed`'s float32 -> the very 16-bit samples it was made from."""
+    return np.clip(np.round(np.asarray(committed, dtype=np.float64) * 32768.0), -32768, 32767).astype(np.int16)
+
+
 def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
-    """float audio in [-1, 1] -> 16-bit PCM WAV file bytes."""
+    """Audio -> 16-bit PCM WAV file bytes: int16 samples as they are, float audio in [-1, 1] by `pcm16`."""
     import soundfile
 
-    pcm = np.clip(np.round(audio * 32767.0), -32768, 32767).astype(np.int16)
+    audio = np.asarray(audio)
+    pcm = audio if audio.dtype == np.int16 else pcm16(audio)
     buf = io.BytesIO()
     soundfile.write(buf, pcm, sample_rate, subtype="PCM_16", format="WAV")
     return buf.getvalue()

@@ -1,6 +1,8 @@
 """The quality gate inside a run, on real speech from the default voice and Whisper tiny.en: what
 every clip records, the retakes and what a row with no passing take becomes, exactly once through
-a kill during a retake, the fingerprint, and the usage errors."""
+a kill during a retake, the fingerprint, and the usage errors. The faults are made by the test
+plugin's `faulty-piper` engine (tests/plugin/cosybatch_tone/faulty.py): the default voice, with
+rows named ``twice-*`` said twice in their first take and ``always-twice-*`` in every take."""
 
 from __future__ import annotations
 
@@ -17,9 +19,15 @@ from cosybatch.run.local import run
 
 ROWS = [
     {"id": "good-1", "text": "Please call me back when you get this message."},
-    {"id": "gibberish", "text": "Zxqv plomb krnthu vexilu grob tazzik."},  # no take is heard as written
+    {"id": "gibberish", "text": "Zxqv plomb krnthu vexilu grob tazzik."},  # no real words, but said as written
     {"id": "good-2", "text": "The weather tomorrow will be sunny with a light breeze."},
     {"id": "good-3", "text": "We will meet again in the spring of next year."},
+]
+FAULTY = [
+    {"id": "good-1", "text": ROWS[0]["text"]},
+    {"id": "always-twice-1", "text": "The museum opens at nine and closes early on Sundays."},  # never passes
+    {"id": "twice-1", "text": ROWS[2]["text"]},  # its first take is said twice; its second is right
+    {"id": "gibberish", "text": ROWS[1]["text"]},
 ]
 
 
@@ -50,38 +58,72 @@ def test_signals_are_recorded_by_default_everywhere(tmp_path):
     assert "qc" not in json.loads((out / ".cosybatch" / "job.json").read_text())["fingerprint"]
 
 
-def test_asr_gate_retakes_a_misheard_row_then_drops_it_with_the_reason(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", ROWS)
+def test_the_gate_hears_every_row_retakes_a_doubled_one_and_drops_one_never_right(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", FAULTY)
     out = tmp_path / "out"
-    result = run(config(corpus, out, qc="asr", qc_asr_rows="all"))
+    result = run(config(corpus, out, engine="faulty-piper", qc="asr"))  # --qc-asr-rows all is the default
     assert result.status == "complete"
     assert (result.stats["items_done"], result.stats["items_failed"]) == (3, 1)
     items = read_output(out)
-    assert sorted(items) == ["good-1", "good-2", "good-3"]
+    assert sorted(items) == ["gibberish", "good-1", "twice-1"]
     for item in items.values():
         qc = item["meta"]["qc"]
-        assert qc["pass"] is True and qc["asr"]["cer"] <= 0.2 and qc["asr"]["text"]
-    failed = failures(out)["gibberish"]
-    assert failed["reason"].startswith("qc: cer ") and failed["reason"].endswith("> 0.20 after 3 attempts")
+        assert qc["pass"] is True and qc["asr"]["support"] >= 3.0 and qc["asr"]["beyond_s"] < 0.5
+        spoken = [w[0].strip(".,").lower() for w in qc["asr"]["words"] if w[0].strip(".,")]
+        assert spoken == [w.strip(".,").lower() for w in item["meta"]["text"].split()]  # every word placed
+    retaken = items["twice-1"]["meta"]["qc"]
+    assert retaken["attempt"] == 1 and "speech past the text" in retaken["attempts"][0]["reason"]
+    assert items["twice-1"]["meta"]["duration"] < retaken["attempts"][0]["signals"]["duration_s"] / 1.8
+    failed = failures(out)["always-twice-1"]
+    assert failed["reason"].startswith("qc: ") and failed["reason"].endswith("after 3 attempts")
+    assert "speech past the text" in failed["reason"] or "too_long" in failed["reason"]
     takes = failed["qc"]["attempts"]
     assert [t["attempt"] for t in takes] == [0, 1, 2] and all(t["pass"] is False for t in takes)
     # Each take is new audio: the attempt is in the seeds.
     assert len({t["signals"]["duration_s"] for t in takes}) == 3
     qc = result.stats["qc"]
-    assert (qc["retries"], qc["failed"], qc["passed"], qc["transcribed"]) == (2, 1, 3, 6)
+    assert (qc["retries"], qc["failed"], qc["passed"], qc["passed_after_retry"]) == (3, 1, 3, 1)
+    assert qc["transcribed"] == 4 + 3 and qc["asr_rows"] == "all"  # four first takes, three retakes, all heard
+
+
+def test_the_gate_judges_the_samples_as_written(tmp_path, monkeypatch):
+    """The run and `cosybatch qc` hear the same audio: the gate gets the 16-bit samples each WAV
+    member holds, as any reader decodes them, not the float clip before it was written."""
+    import numpy as np
+
+    from cosybatch.qc.signals import measure
+    from cosybatch.qc.takes import QualityGate
+
+    judged = {}
+    settle = QualityGate.settle
+
+    def spy(self, clips, remake):
+        judged.update({c.row_id: c.audio.copy() for c in clips})
+        return settle(self, clips, remake)
+
+    monkeypatch.setattr(QualityGate, "settle", spy)
+    corpus = write_jsonl(tmp_path / "c.jsonl", ROWS[:2])
+    run(config(corpus, tmp_path / "out"))
+    items = read_output(tmp_path / "out")
+    assert sorted(judged) == sorted(items)
+    for item_id, item in items.items():
+        assert np.array_equal(judged[item_id], item["audio"])
+        signals = measure(item["audio"], item["sample_rate"], item["meta"]["text"]).as_dict()
+        recorded = item["meta"]["qc"]["signals"]
+        assert {k: signals[k] for k in signals if k != "clipped"} == {k: recorded[k] for k in signals if k != "clipped"}
 
 
 def test_keep_commits_the_best_take_marked_failing(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", ROWS[:2])
+    corpus = write_jsonl(tmp_path / "c.jsonl", FAULTY[:2])
     out = tmp_path / "out"
-    result = run(config(corpus, out, qc="asr", qc_asr_rows="all", qc_on_fail="keep", qc_retries=1))
+    result = run(config(corpus, out, engine="faulty-piper", qc="asr", qc_on_fail="keep", qc_retries=1))
     assert (result.stats["items_done"], result.stats["items_failed"]) == (2, 0)
-    qc = read_output(out)["gibberish"]["meta"]["qc"]
+    qc = read_output(out)["always-twice-1"]["meta"]["qc"]
     assert qc["pass"] is False and len(qc["attempts"]) == 2
     best = min(qc["attempts"], key=lambda t: t["score"])
     assert qc["attempt"] == best["attempt"] and qc["asr"] == best["asr"]
-    row = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}["gibberish"]
-    assert row["qc_pass"] is False and row["qc_attempts"] == 2 and row["qc_cer"] == qc["asr"]["cer"]
+    row = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}["always-twice-1"]
+    assert row["qc_pass"] is False and row["qc_attempts"] == 2 and row["qc_support"] == qc["asr"]["support"]
 
 
 def test_a_threshold_from_the_job_spec_fails_rows_without_asr(tmp_path):
@@ -119,10 +161,10 @@ def test_a_missing_asr_model_is_a_usage_error_before_anything_is_written(tmp_pat
 @pytest.mark.slow
 def test_kill_during_a_retake_then_resume_exactly_once(tmp_path):
     rows = [{"id": f"ok-{i}", "text": r["text"]} for i, r in enumerate(ROWS * 3) if r["id"] != "gibberish"]
-    rows.insert(4, {"id": "gibberish", "text": ROWS[1]["text"]})
+    rows.insert(4, {"id": "always-twice-1", "text": ROWS[1]["text"]})
     corpus = write_jsonl(tmp_path / "c.jsonl", rows)
     out = tmp_path / "out"
-    proc = start_run(corpus, out, "--qc", "asr", "--qc-asr-rows", "all", shard_max_items=2)
+    proc = start_run(corpus, out, "--engine", "faulty-piper", "--qc", "asr", shard_max_items=2)
     for line in proc.stderr:  # the gate says when it makes a row again; kill it in that take
         if "made again (take 2 of 3)" in line:
             proc.send_signal(signal.SIGKILL)
@@ -131,12 +173,12 @@ def test_kill_during_a_retake_then_resume_exactly_once(tmp_path):
         raise AssertionError(f"the run ended before any retake: {proc.communicate()}")
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    result = run(config(corpus, out, qc="asr", qc_asr_rows="all", shard_max_items=2))
+    result = run(config(corpus, out, engine="faulty-piper", qc="asr", shard_max_items=2))
     assert result.status == "complete"
-    good = [r for r in rows if r["id"] != "gibberish"]
+    good = [r for r in rows if r["id"] != "always-twice-1"]
     assert_complete(out, good)
-    assert list(failures(out)) == ["gibberish"]
-    assert failures(out)["gibberish"]["reason"].endswith("after 3 attempts")
+    assert list(failures(out)) == ["always-twice-1"]
+    assert failures(out)["always-twice-1"]["reason"].endswith("after 3 attempts")
     assert cli("verify", out).returncode == 0
 
 

@@ -3,6 +3,8 @@ sharded job's root scored whole, and the same signals the run would have recorde
 
 from __future__ import annotations
 
+import json
+
 import hashlib
 
 import pyarrow.parquet as pq
@@ -38,12 +40,27 @@ def test_an_old_folder_is_scored_without_touching_its_shards(tmp_path):
     assert summary["clips"] == 6 and summary["transcribed"] == 6
     recorded = {i: item["meta"]["qc"]["signals"] for i, item in read_output(measured).items()}
     for r in table:
-        assert r["qc_cer"] is not None and r["qc_asr_text"]
-        assert r["qc_pass"] == (r["qc_cer"] <= 0.2 and not r["qc_flags"])
-        # The same clip, read back from its 16-bit WAV: the signals the run recorded, to the frame.
-        for name in ("lead_s", "tail_s", "gap_s", "speech_s"):
-            assert r[name] == pytest.approx(recorded[r["id"]][name], abs=0.011)
+        assert r["qc_support"] is not None and json.loads(r["words"])  # every clip heard, its words placed
+        assert r["qc_pass"] == (r["qc_support"] >= 3.0 and not r["qc_flags"] and r["reason"] is None)
+        # The same clip, read back from its 16-bit WAV: the very samples the run judged, so the same signals.
+        for name in ("lead_s", "tail_s", "gap_s", "speech_s", "peak_db", "rms_db", "flatness"):
+            assert r[name] == recorded[r["id"]][name]
         assert set(SIGNAL_COLUMNS) <= set(r)
+
+
+def test_the_audit_gives_the_verdicts_the_run_gave(tmp_path):
+    """`cosybatch qc --asr` on a folder made with `--qc asr` judges each clip as the run did."""
+    rows = corpus_rows(6)
+    corpus = write_parquet(tmp_path / "c.parquet", rows)
+    out = tmp_path / "out"
+    run(RunConfig.from_options(corpus=corpus, out=out, progress="none", qc="asr"))
+    made = {i: item["meta"]["qc"] for i, item in read_output(out).items()}
+    proc = cli("qc", out, "--asr", "--json", "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    for r in pq.read_table(out / "qc.parquet").to_pylist():
+        qc = made[r["id"]]
+        assert (r["qc_pass"], r["qc_support"], r["qc_flags"]) == (qc["pass"], qc["asr"]["support"], ",".join(qc["flags"]))
+        assert r["pace"] == qc["signals"]["pace"]  # the run's expectation, recorded, is the audit's too
 
 
 def test_a_sharded_jobs_root_is_scored_whole_from_the_command_line(tmp_path):
