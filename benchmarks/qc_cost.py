@@ -1,6 +1,6 @@
 """What the quality gate costs, side by side in one run: `cosybatch run` of the main job's corpus
-with --qc off, --qc signals, --qc asr (ASR on the rows the signals flag) and --qc asr
---qc-asr-rows all, each into its own fresh --out, the variants taking turns within every round
+with --qc off, --qc signals, --qc asr --qc-asr-rows flagged (Whisper hears the rows the signals
+flag) and --qc asr (every row heard, the default rows), each into its own fresh --out, the variants taking turns within every round
 (the order rotating from round to round), so a noisy machine slows them alike.
 
 Each run is a whole process, as a user runs it (start-up and model loading included). Prints per
@@ -32,7 +32,7 @@ VARIANTS = {
     "asr-flagged": ["--qc", "asr", "--qc-asr-rows", "flagged"],
     "asr-all": ["--qc", "asr", "--qc-asr-rows", "all"],
 }
-GOALS = {"signals": 1.03, "asr-flagged": 1.10}
+GOALS = {"signals": 1.03, "asr-flagged": 1.10, "asr-all": 1.25}
 
 
 def run_once(corpus: Path, out: Path, threads: int, extra: list[str]) -> tuple[float, dict, dict]:
@@ -98,8 +98,8 @@ def main() -> None:
                 f"{runs.median(n, 'audio_s_per_s'):.2f}", f"{runs.ratio(n, 'wall_s'):.3f}",
                 f"{median(runs.round_ratios(n, 'wall_s')):.3f}", f"{runs.median(n, 'qc_s'):.2f}",
                 f"{result[n]['qc_share_of_off']:.3f}", str(gate[n])] for n in names], left=(0, 8))
-        print(f"goals (signals <= 1.03, asr-flagged <= 1.10; by the per-round wall ratio, and by the qc stage's "
-              f"share): {goals}")
+        print(f"goals (signals <= 1.03, asr-flagged <= 1.10, asr-all <= 1.25; by the per-round wall ratio, and by "
+              f"the qc stage's share): {goals}")
         print(json.dumps(line))
 
     Report(args.json, "qc_cost").emit(line, show)

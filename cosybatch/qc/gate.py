@@ -132,8 +132,10 @@ class PaceHistory:
     MAD_FLOOR = 0.04
     # log units. The expectation's own spread: Piper's per-id frame rate runs 1.94-2.78 frames
     # per id over pieces (5th-95th percentile), and whole clips of the example and held-out corpora
-    # lie within about +-0.25 of it (docs/quality.md).
+    # lie within about +-0.25 of it (docs/quality.md). A pace's MAD is held under PACE_MAD_CAP: a
+    # failure the gate missed joins the history, and must not widen it for the next ones.
     PRIOR_MAD = 0.05
+    PACE_MAD_CAP = 0.07
     CENTRE_BAND = 0.2
 
     def __init__(self) -> None:
@@ -160,6 +162,7 @@ class PaceHistory:
         mad = max(_median(sorted(abs(v - median) for v in values)), self.MAD_FLOOR)
         if kind == "pace":
             median = min(max(median, -self.CENTRE_BAND), self.CENTRE_BAND)
+            mad = min(mad, self.PACE_MAD_CAP)
         return round((x - median) / (1.4826 * mad), 3)
 
 
@@ -172,7 +175,7 @@ class Calibration:
 
     CAL_MIN = 16
     CAL_K = 4.0
-    CAL_SLACK: ClassVar[dict] = {"support": 1.5, "worst": 3.0}
+    CAL_SLACK: ClassVar[dict] = {"support": 1.0, "worst": 1.5}
 
     def __init__(self) -> None:
         self.seen: dict[tuple, deque] = {}
