@@ -1,9 +1,16 @@
 """The audit page, OUT/report.html: one self-contained HTML file to look at and listen to a job.
 
-On it: the summary as a table; four inline SVG plots drawn here (duration against text length
-coloured by passed / flagged / failed, the CER histogram, pass rate per voice, throughput over
-the run); audio players for the 20 worst clips (highest `qc_score`, ties by id) and a seeded
-random 20 of the others, each clip's WAV embedded as a data: URI. Nothing on the page refers to
+On it: the summary as a table, and the hearing limits each voice used (the summary's
+qc.calibration) when there are any; inline SVG plots drawn here (duration against text length
+coloured by passed / flagged / failed, the histogram of the hearing score `qc_support` with its
+limit marked, the CER histogram of the clips transcribed instead (too long for one window, or an
+older folder), pass rate per voice, throughput over the run); audio players for the 20 worst clips
+(highest `qc_score`, ties by id) and a seeded random 20 of the others, each clip's WAV embedded as
+a data: URI, each with its hearing (support, worst, beyond_s, stretch_s) and its text's words as
+the hearing placed them, coloured by how well the audio supports each. The words are the row's
+`words` (qc.parquet's JSON string, or a list), else its KEY.json's qc.asr.words, read from its
+shard as store/readback.py says (never through a link, only a regular tar member under
+RECORD_CAP bytes), and only when that record's support is the row's. Nothing on the page refers to
 anything outside it (no network, no CDN, no other file; a Content-Security-Policy tells the browser
 so), and a small inline script marks each <audio> once its metadata has loaded, so a browser test
 (and a reader) can see how many clips play. The policy allows that one script by its sha256,
@@ -22,19 +29,30 @@ from __future__ import annotations
 import base64
 import hashlib
 import html
+import json
 import math
 import os
 import random
 import secrets
+import tarfile
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional
+
+from ..store.readback import NotReadable, open_regular
 
 SCATTER_CAP = 5000  # more points than this: a seeded sample of this many is plotted, and the page says so
 WORST = 20  # clips shown with the highest qc_score
 SAMPLE = 20  # clips shown at random (seeded) among the others
 CER_BIN = 0.05  # the histogram's bins: [0, 0.05), ..., [0.95, 1), then one bin for CER >= 1
 CER_BINS = 20
+SUPPORT_BIN = 0.5  # the support histogram: one bar below 0, [0, 0.5), ..., [9.5, 10), one bar for 10 and above
+SUPPORT_TOP = 10.0
+SUPPORT_BINS = round(SUPPORT_TOP / SUPPORT_BIN) + 2
+MIN_SUPPORT = 3.0  # the limit marked when the summary gives none (the gate's default `min_support`)
+WORD_LOW, WORD_WEAK = 0.1, 0.5  # a word's probability below these: red ("low"), amber ("weak")
+WORDS_CAP = 1000  # words shown per clip
+RECORD_CAP = 1 << 20  # the largest KEY.json (or qc.parquet `words` string) read for a clip's words
 
 # Plot geometry, in SVG user units: width, and the margins around the plotting area.
 WIDTH, LEFT, RIGHT, TOP, BOTTOM = 640, 64, 24, 16, 48
@@ -50,6 +68,7 @@ def write_report(
     throughput: Sequence[tuple[float, float]] = (),
     rate: Optional[tuple[float, float]] = None,
     title: str = "cosybatch report",
+    record: Optional[Callable[[dict], dict]] = None,
 ) -> None:
     """Write the audit page to `path` atomically (a temporary file beside it, then a rename).
 
@@ -60,9 +79,18 @@ def write_report(
     (seconds since the job started, cumulative audio seconds committed). rate: (audio seconds, wall
     seconds) of the run, for the throughput note; without it the note's rate is the last point's
     audio over its time (the points must then start at the job's start). seed: the random sample's
-    and the scatter cap's seed.
+    and the scatter cap's seed. record(row): the clip's KEY.json, asked only for a shown clip whose
+    hearing the row does not hold whole; by default read from the shard the row names (`shard`,
+    relative to the page's folder, and `key`), as shard_records says.
+
+    The summary's qc block (summary["qc"], else the summary itself) may give `limits.min_support`
+    (marked on the support histogram, else MIN_SUPPORT) and `calibration` (voice -> min_support,
+    min_word_support, clips), shown as a table.
     """
-    page = render_report(rows, summary, clip, seed=seed, throughput=throughput, rate=rate, title=title)
+    if record is None:
+        record = shard_records(Path(path).parent)
+    page = render_report(rows, summary, clip, seed=seed, throughput=throughput, rate=rate, title=title,
+                         record=record)
     _write_atomic(Path(path), page.encode("utf-8"))
 
 
@@ -75,15 +103,19 @@ def render_report(
     throughput: Sequence[tuple[float, float]] = (),
     rate: Optional[tuple[float, float]] = None,
     title: str = "cosybatch report",
+    record: Optional[Callable[[dict], dict]] = None,
 ) -> str:
-    """The page as a string (write_report writes it)."""
+    """The page as a string (write_report writes it). Without `record`, only the rows' own words."""
     worst, sample = choose_clips(rows, seed)
+    record = record or (lambda _row: {})
+    qc = _qc_block(summary)
     body = [
         f"<h1>{_ident(title)}</h1>",
         _summary_table(summary),
+        _calibration_table(qc.get("calibration")),
         '<section id="plots"><h2>Plots</h2>',
         _scatter(rows, seed),
-        _cer_histogram(rows),
+        *_hearing_histograms(rows, qc),
         _pass_rate(rows),
         _throughput(throughput, rate),
         "</section>",
@@ -95,6 +127,7 @@ def render_report(
             "Highest qc_score first (higher is worse), ties by id.",
             [rows[i] for i in worst],
             clip,
+            record,
         ),
         _clip_section(
             "sample",
@@ -102,6 +135,7 @@ def render_report(
             f"A random sample (seed {_e(seed)}) of the clips not shown above, in id order.",
             [rows[i] for i in sample],
             clip,
+            record,
         ),
         "</section>",
         f"<script>{_SCRIPT}</script>",
@@ -153,6 +187,35 @@ def passes(row: dict) -> bool:
     return bool(verdict) if verdict is not None else not row.get("qc_flags")
 
 
+def shard_records(root: Path) -> Callable[[dict], dict]:
+    """row -> its clip's KEY.json record, read from the shard the row names (`shard`, a path
+    relative to root, and `key`): {} when the row names none. As store/readback.py says: the shard
+    is opened only as a regular file (never through a link, never waiting on a FIFO), and the
+    member only when it is a regular member of at most RECORD_CAP bytes; otherwise NotReadable
+    (or the error of the read), which the page shows on the clip's card."""
+    root = Path(root)
+
+    def record(row: dict) -> dict:
+        shard, key = row.get("shard"), row.get("key")
+        if not (isinstance(shard, str) and isinstance(key, str) and shard and key):
+            return {}
+        rel = PurePosixPath(shard)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise NotReadable(f"the shard {shard!r} is not inside the folder")
+        with open_regular(root / rel) as f, tarfile.open(fileobj=f) as tar:
+            member = tar.getmember(f"{key}.json")
+            if not member.isfile():
+                raise NotReadable(f"{key}.json in {shard} is not a file")
+            if member.size > RECORD_CAP:
+                raise NotReadable(f"{key}.json in {shard} is {member.size:,} bytes, more than the {RECORD_CAP:,} "
+                                  "read back")
+            data = tar.extractfile(member).read(RECORD_CAP + 1)
+        value = json.loads(data)
+        return value if isinstance(value, dict) else {}
+
+    return record
+
+
 # -- the summary --------------------------------------------------------------------------------
 def _flatten(d: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
     for key, value in d.items():
@@ -181,6 +244,36 @@ def _summary_table(summary: dict) -> str:
     lines = ['<section id="summary-section"><h2>Summary</h2><table id="summary"><tbody>']
     for key, value in _flatten(summary):
         lines.append(f'<tr data-key="{_e(key)}"><th>{_ident(key)}</th><td>{_ident(_value(value))}</td></tr>')
+    lines.append("</tbody></table></section>")
+    return "\n".join(lines)
+
+
+def _qc_block(summary: dict) -> dict:
+    """The quality gate's part of the summary: summary["qc"] (a run's page), else the summary
+    itself (stats.json's qc block, or `cosybatch qc`'s summary)."""
+    qc = summary.get("qc") if isinstance(summary, dict) else None
+    return qc if isinstance(qc, dict) else summary if isinstance(summary, dict) else {}
+
+
+def _calibration_table(calibration: object) -> str:
+    """voice -> the hearing limits the gate used for it and the passing clips they were learned from."""
+    if not isinstance(calibration, dict) or not calibration:
+        return ""
+    lines = [
+        '<section id="calibration-section"><h2>Hearing limits per voice</h2>',
+        '<p class="note">The limits each voice\'s clips were heard against: the configured ones, moved down '
+        "to what the voice's passing clips score on this corpus once there are enough of them (clips: how "
+        "many).</p>",
+        '<table id="calibration"><thead><tr><th>voice</th><th>min_support</th><th>min_word_support</th>'
+        "<th>clips</th></tr></thead><tbody>",
+    ]
+    for voice, limits in sorted(calibration.items(), key=lambda kv: str(kv[0])):
+        limits = limits if isinstance(limits, dict) else {}
+        cells = "".join(
+            f'<td data-name="{name}">{_e(_num(float(limits[name])) if _finite(limits.get(name)) else "–")}</td>'
+            for name in ("min_support", "min_word_support", "clips")
+        )
+        lines.append(f'<tr data-voice="{_e(voice)}"><th>{_ident(voice)}</th>{cells}</tr>')
     lines.append("</tbody></table></section>")
     return "\n".join(lines)
 
@@ -302,9 +395,84 @@ def _scatter(rows: list[dict], seed: int) -> str:
     return "\n".join(out)
 
 
-def _cer_histogram(rows: list[dict]) -> str:
+def _hearing_histograms(rows: list[dict], qc: dict) -> list[str]:
+    """The support histogram where clips were heard; the CER histogram where clips were
+    transcribed instead (too long for one window, or a folder from before the hearing), or where
+    neither (then only its note)."""
+    heard = any(_finite(r.get("qc_support")) for r in rows)
+    transcribed = any(_finite(r.get("qc_cer")) for r in rows)
+    out = []
+    if heard:
+        limits = qc.get("limits")
+        limit = limits.get("min_support") if isinstance(limits, dict) else None
+        out.append(_support_histogram(rows, float(limit) if _finite(limit) else MIN_SUPPORT,
+                                      isinstance(qc.get("calibration"), dict) and bool(qc["calibration"])))
+    if transcribed or not heard:
+        out.append(_cer_histogram(rows, heard))
+    return out
+
+
+def _support_bin(s: float) -> int:
+    if s < 0:
+        return 0
+    return min(int(s / SUPPORT_BIN) + 1, SUPPORT_BINS - 1)
+
+
+def _support_histogram(rows: list[dict], limit: float, calibrated: bool) -> str:
+    supports = [float(r["qc_support"]) for r in rows if _finite(r.get("qc_support"))]
+    counts = [0] * SUPPORT_BINS  # the first bin: below 0; the last: SUPPORT_TOP and above
+    for s in supports:
+        counts[_support_bin(s)] += 1
+    # Data positions are support + SUPPORT_BIN, so the bar below 0 starts at position 0.
+    shift = SUPPORT_BIN
+    frame = _Frame(SUPPORT_TOP + 2 * SUPPORT_BIN, 1.0)
+    yt = _ticks(max(counts))
+    frame.y1 = yt[-1]
+    xt = [v + shift for v in range(0, int(SUPPORT_TOP) + 1, 2)]
+    out = [
+        '<figure id="plot-support"><figcaption>How well each clip\'s audio supports its text: the mean '
+        "log-probability gain per token of the text with the audio over without it</figcaption>",
+        frame.open("support-histogram", "histogram of the hearing score, support"),
+        frame.axes(xt, yt, f"support (the end bars: below 0, {SUPPORT_TOP:g} and above)", "clips",
+                   xfmt=lambda v: f"{v - shift:g}", yfmt=lambda v: f"{v:g}"),
+        '<g class="bars">',
+    ]
+    for i, n in enumerate(counts):
+        lo = (i - 1) * SUPPORT_BIN  # the first bar is drawn over [-SUPPORT_BIN, 0)
+        hi = lo + SUPPORT_BIN
+        if i == 0:
+            label, kind, data_lo = "support below 0", " under", "-inf"
+        elif i == SUPPORT_BINS - 1:
+            label, kind, data_lo = f"support ≥ {lo:g}", " over", f"{lo:g}"
+        else:
+            label, kind, data_lo = f"support {lo:g} to {hi:g}", "", f"{lo:g}"
+        if hi <= limit and i != SUPPORT_BINS - 1:
+            kind += " below"
+        x0, x1, y = frame.x(lo + shift), frame.x(hi + shift), frame.y(n)
+        out.append(
+            f'<rect class="bar{kind}" x="{_f(x0 + 1)}" y="{_f(y)}" width="{_f(x1 - x0 - 2)}" '
+            f'height="{_f(frame.y(0) - y)}" data-lo="{data_lo}" data-count="{n}"><title>{_e(label)}: {n}</title></rect>'
+        )
+    at = frame.x(min(max(limit, -SUPPORT_BIN), SUPPORT_TOP + SUPPORT_BIN) + shift)
+    out += [
+        "</g>",
+        f'<line class="limit" x1="{_f(at)}" y1="{TOP}" x2="{_f(at)}" y2="{_f(frame.y(0))}" data-limit="{limit:g}">'
+        f"<title>the limit, min_support {limit:g}</title></line>",
+        f'<text class="limit-label" x="{_f(at + 4)}" y="{TOP + 10}">limit {limit:g}</text>',
+        "</svg>",
+        f'<p class="note">{len(supports):,} of {len(rows):,} clips heard; median support '
+        f"{_num(_median(supports))}; {sum(1 for s in supports if s < limit):,} below the limit {limit:g}"
+        + (" (each voice's own limit is in the table above)" if calibrated else "") + ".</p>",
+        "</figure>",
+    ]
+    return "\n".join(out)
+
+
+def _cer_histogram(rows: list[dict], heard: bool = False) -> str:
     cers = [float(r["qc_cer"]) for r in rows if _finite(r.get("qc_cer"))]
-    head = '<figure id="plot-cer"><figcaption>Character error rate of the ASR round trip</figcaption>'
+    caption = ("Character error rate of the clips transcribed rather than heard (too long for one window)"
+               if heard else "Character error rate of the ASR round trip")
+    head = f'<figure id="plot-cer"><figcaption>{caption}</figcaption>'
     if not cers:
         return head + '\n<p class="note" id="cer-none">No clip has a CER: no ASR ran on these clips.</p>\n</figure>'
     counts = [0] * (CER_BINS + 1)  # the last bin: CER >= 1
@@ -414,15 +582,87 @@ def _throughput(points: Sequence[tuple[float, float]], rate: Optional[tuple[floa
 
 
 # -- the clips ----------------------------------------------------------------------------------
-def _clip_section(group: str, heading: str, note: str, chosen: list[dict], clip: Callable[[str], bytes]) -> str:
+def _clip_section(group: str, heading: str, note: str, chosen: list[dict], clip: Callable[[str], bytes],
+                  record: Callable[[dict], dict]) -> str:
     out = [f'<section class="clip-group" id="{group}"><h3>{_e(heading)}</h3><p class="note">{note}</p>']
     for row in chosen:
-        out.append(_clip_card(group, row, clip))
+        out.append(_clip_card(group, row, clip, record))
     out.append("</section>")
     return "\n".join(out)
 
 
-def _clip_card(group: str, row: dict, clip: Callable[[str], bytes]) -> str:
+HEARING = ("worst", "beyond_s", "stretch_s")
+
+
+def _hearing(row: dict, record: Callable[[dict], dict]) -> dict:
+    """A clip's hearing: support, worst, beyond_s, stretch_s, words (a list, see _words, or None)
+    and error (why its record could not be read, or None). From the row (`qc_support`; `qc_worst`
+    or `worst` and so on; `words`), what it lacks from its KEY.json's qc.asr, taken only when that
+    record's support is the row's (the same hearing, not the run's under an audit's)."""
+    out = {"support": row.get("qc_support"), "words": _words(row.get("words")), "error": None}
+    for name in HEARING:
+        out[name] = row.get(f"qc_{name}") if _finite(row.get(f"qc_{name}")) else row.get(name)
+    if not _finite(out["support"]) or (out["words"] is not None and all(_finite(out[n]) for n in HEARING)):
+        return out
+    try:
+        rec = record(row)
+    except Exception as e:  # a record that cannot be read costs its words, not the page
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    qc = rec.get("qc") if isinstance(rec, dict) else None
+    asr = qc.get("asr") if isinstance(qc, dict) else None
+    if isinstance(asr, dict) and _finite(asr.get("support")) and abs(asr["support"] - out["support"]) <= 5e-4:
+        for name in HEARING:
+            if not _finite(out[name]):
+                out[name] = asr.get(name)
+        if out["words"] is None:
+            out["words"] = _words(asr.get("words"))
+    return out
+
+
+def _words(value: object) -> Optional[list]:
+    """[[word, start_s, end_s, probability], ...] (or its JSON) -> a list of such tuples, None in
+    place of each malformed entry; None when value is not such a list."""
+    if isinstance(value, (str, bytes)):
+        if len(value) > RECORD_CAP:
+            return None
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(value, (list, tuple)):
+        return None
+    out: list = []
+    for w in value:
+        ok = isinstance(w, (list, tuple)) and len(w) >= 4 and isinstance(w[0], str) and all(_finite(x) for x in w[1:4])
+        out.append((w[0], float(w[1]), float(w[2]), float(w[3])) if ok else None)
+    return out
+
+
+def _word_class(p: float) -> str:
+    return "w low" if p < WORD_LOW else "w weak" if p < WORD_WEAK else "w"
+
+
+def _words_line(words: Optional[list]) -> str:
+    """The text's words as the hearing placed them, each isolated (<bdi>) and coloured by its
+    probability given the audio; its times and probability in its tooltip."""
+    if not words:
+        return ""
+    valid = [w for w in words if w is not None]
+    spans = [
+        f'<bdi class="{_word_class(p)}" data-p="{p:g}" title="{start:.2f}–{end:.2f} s, p {p:.3f}">{_e(word)}</bdi>'
+        for word, start, end, p in valid[:WORDS_CAP]
+    ]
+    notes = []
+    if len(valid) > WORDS_CAP:
+        notes.append(f"{len(valid) - WORDS_CAP:,} more words not shown")
+    if len(valid) < len(words):
+        notes.append(f"{len(words) - len(valid):,} malformed entries left out")
+    tail = f' <span class="note">({"; ".join(notes)})</span>' if notes else ""
+    return f'<p class="words"><span class="what">words</span> {" ".join(spans)}{tail}</p>'
+
+
+def _clip_card(group: str, row: dict, clip: Callable[[str], bytes], record: Callable[[dict], dict]) -> str:
     rid = str(row.get("id"))
     facts = [f"voice {_visible(row.get('voice') or '–')}"]
     if _finite(row.get("duration_s")):
@@ -434,6 +674,11 @@ def _clip_card(group: str, row: dict, clip: Callable[[str], bytes]) -> str:
     for key, name in (("qc_cer", "CER"), ("qc_wer", "WER")):
         if _finite(row.get(key)):
             facts.append(f"{name} {float(row[key]):.3f}")
+    heard = _hearing(row, record)
+    for key, name, fmt in (("support", "support", "{:.3f}"), ("worst", "worst", "{:.3f}"),
+                           ("beyond_s", "beyond", "{:.2f} s"), ("stretch_s", "stretch", "{:.2f} s")):
+        if _finite(heard[key]):
+            facts.append(f"{name} {fmt.format(float(heard[key]))}")
     flags = row.get("qc_flags") or []
     try:
         wav = clip(rid)
@@ -445,16 +690,19 @@ def _clip_card(group: str, row: dict, clip: Callable[[str], bytes]) -> str:
         player = f'<p class="clip-error">The audio could not be read: {_ident(f"{type(e).__name__}: {e}")}</p>'
     asr = row.get("qc_asr_text")
     return "\n".join(
-        [
+        line for line in [
             f'<article class="clip {status(row)}" data-id="{_e(rid)}" data-group="{group}">',
             f'<p class="head"><bdi class="id">{_e(_visible(rid))}</bdi> · <bdi>{_e(" · ".join(facts))}</bdi>'
             + "".join(f' <bdi class="flag">{_e(_visible(f))}</bdi>' for f in flags)
             + "</p>",
             player,
             f'<p class="text"><span class="what">text</span> <bdi>{_e(row.get("text", ""))}</bdi></p>',
+            _words_line(heard["words"]),
+            f'<p class="note words-error">The hearing\'s words could not be read: {_ident(heard["error"])}</p>'
+            if heard["error"] else "",
             f'<p class="asr"><span class="what">heard</span> <bdi>{_e(asr)}</bdi></p>' if asr is not None else "",
             "</article>",
-        ]
+        ] if line
     )
 
 
@@ -555,6 +803,12 @@ svg.plot{width:100%;max-width:640px;height:auto;display:block}
 border-radius:50%;margin-right:4px}.legend .passed .swatch{background:#2a9d8f}
 .legend .flagged .swatch{background:#e9a23b}.legend .failed .swatch{background:#d62839}
 rect.bar{fill:#457b9d}rect.overflow{fill:#d62839}polyline.line{fill:none;stroke:#457b9d;stroke-width:2}
+rect.below{fill:#e76f51}line.limit{stroke:#d62839;stroke-width:1.5;stroke-dasharray:5 3}
+.limit-label{fill:#d62839}
+#calibration{border-collapse:collapse}#calibration th,#calibration td{padding:2px 12px;border-bottom:1px solid #eee;
+text-align:left;overflow-wrap:anywhere}#calibration td{font-variant-numeric:tabular-nums}
+.words .w{border-radius:3px;padding:0 1px}.words .w.weak{background:#fde8c8}
+.words .w.low{background:#f8d0d4;color:#a4161a}
 .note{color:#555;font-size:13px}
 .clip{min-width:0;max-width:100%;box-sizing:border-box;
 border-left:4px solid #2a9d8f;padding:4px 12px;margin:12px 0;background:#fafafa}

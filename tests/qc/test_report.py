@@ -4,6 +4,7 @@ chooses, self-containment and the atomic write. tests/qc/test_report_browser.py 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 from pathlib import Path
@@ -238,3 +239,158 @@ def test_the_write_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_report(path, rows, {"changed": True}, wavs.__getitem__)
     assert os.listdir(tmp_path) == ["report.html"] and path.read_bytes() == before
+
+
+# -- the hearing: support histogram, words, calibration ------------------------------------------------
+HOSTILE_WORD = '<script>alert("w")</script>'
+
+
+def hear(rows, every: int = 1) -> list[dict]:
+    """Give every `every`-th row a hearing instead of a CER (its words as qc.parquet holds them: a JSON
+    string): supports from -1 to 12, so both end bars fill; the others keep their CER (long clips)."""
+    heard = []
+    for i, r in enumerate(rows):
+        if i % every:
+            continue
+        words = [["Say", 0.0, 0.3, 0.92], ["it", 0.3, 0.5, 0.3], ["twice", 0.5, 0.9, 0.04]]
+        r.update(qc_cer=None, qc_wer=None, qc_asr_text=None, qc_support=round(-1 + 13 * i / len(rows), 3),
+                 words=json.dumps(words), worst=-0.5, beyond_s=0.71, stretch_s=0.2)
+        heard.append(r)
+    return heard
+
+
+def classes(card_words) -> list[tuple[str, str]]:
+    return [(w.text, " ".join(c for c in w.attrs["class"].split() if c != "w")) for w in card_words]
+
+
+def test_the_support_histogram_counts_every_heard_clip_and_marks_the_limit(tmp_path):
+    rows, wavs = make_rows(60)
+    heard = hear(rows, every=2)
+    heard[1]["qc_support"], heard[2]["qc_support"] = float("nan"), float("inf")  # not counted, not fatal
+    counted = [r["qc_support"] for r in heard[3:]] + [heard[0]["qc_support"]]
+    summary = {"qc": {"mode": "asr", "limits": {"min_support": 2.5}}}
+    _, page = written(tmp_path, rows, wavs, summary=summary)
+    bars = page.find("rect", within="support-histogram", class_="bar")
+    assert len(bars) == report.SUPPORT_BINS == 22
+    assert sum(int(b.attrs["data-count"]) for b in bars) == len(counted) == 28
+    assert int(page.find("rect", within="support-histogram", class_="under")[0].attrs["data-count"]) == sum(
+        1 for s in counted if s < 0)
+    assert int(page.find("rect", within="support-histogram", class_="over")[0].attrs["data-count"]) == sum(
+        1 for s in counted if s >= 10)
+    below = page.find("rect", within="support-histogram", class_="below")
+    assert [b.attrs["data-lo"] for b in below] == ["-inf", "0", "0.5", "1", "1.5", "2"]  # wholly under 2.5
+    assert page.find("line", within="support-histogram", class_="limit")[0].attrs["data-limit"] == "2.5"
+    assert f"{sum(1 for s in counted if s < 2.5)} below the limit 2.5" in page.by_id("plot-support").text
+    # The other 30 clips were transcribed (too long to be heard): their CER histogram stays.
+    cer = page.find("rect", within="cer-histogram", class_="bar")
+    assert sum(int(b.attrs["data-count"]) for b in cer) == 30
+    assert "transcribed rather than heard" in page.by_id("plot-cer").text
+
+    # Every clip heard: no CER histogram, no "no ASR" note; without limits in the summary, the default.
+    hear(rows)
+    _, page = written(tmp_path, rows, wavs, name="all.html")
+    assert sum(int(b.attrs["data-count"]) for b in page.find("rect", within="support-histogram", class_="bar")) == 60
+    assert page.by_id("plot-cer") is None and page.by_id("cer-none") is None
+    assert page.find("line", within="support-histogram", class_="limit")[0].attrs["data-limit"] == "3"
+
+
+def test_a_worst_clips_words_are_shown_coloured_by_probability_and_escaped(tmp_path):
+    rows, wavs = make_rows(30, hostile=True)
+    hear(rows)
+    rows[0]["qc_score"] = 99.0  # the worst: the hostile row
+    rows[0]["words"] = json.dumps([[HOSTILE_WORD, 0.0, 0.4, 0.6], ["&amp;", 0.4, 0.5, 0.2], ["<b>", 0.5, 0.6, 0.01],
+                                   "not a word", ["x", "NaN", 1, 1]])
+    rows[1]["words"] = [["listed", 0.0, 0.25, 0.099]]  # a list (not JSON) does too
+    text, page = written(tmp_path, rows, wavs)
+    assert text.count("<script") == 1 and HOSTILE_WORD not in text and "<b>" not in text
+    card = page.find("article", data_id=rows[0]["id"])[0]
+    assert card.attrs["data-group"] == "worst"
+    words = [e for e in page.find("bdi", class_="w") if card in e.ancestors]
+    assert classes(words) == [(HOSTILE_WORD, ""), ("&amp;", "weak"), ("<b>", "low")]
+    assert [w.attrs["title"] for w in words] == ["0.00–0.40 s, p 0.600", "0.40–0.50 s, p 0.200",
+                                                 "0.50–0.60 s, p 0.010"]
+    assert "2 malformed entries left out" in card.text
+    assert "support -1.000 · worst -0.500 · beyond 0.71 s · stretch 0.20 s" in card.text
+    other = page.find("article", data_id=rows[1]["id"])[0]
+    assert classes(e for e in page.find("bdi", class_="w") if other in e.ancestors) == [("listed", "low")]
+    for r in rows[2:]:  # every shown clip: Say (plain) it (amber) twice (red)
+        card = page.find("article", data_id=r["id"])[0]
+        assert classes(e for e in page.find("bdi", class_="w") if card in e.ancestors) == [
+            ("Say", ""), ("it", "weak"), ("twice", "low")]
+
+
+def test_the_record_fills_in_the_hearing_only_when_its_support_is_the_rows(tmp_path):
+    """What the row lacks comes from the clip's KEY.json, only for a shown clip that was heard, and
+    only when that record's support is the row's (an audit's hearing is not the run's)."""
+    rows, wavs = make_rows(30)
+    for r in rows:
+        r.update(qc_cer=None, qc_support=5.0 if int(r["id"][-2:]) % 2 else 6.0)
+    rows[0]["qc_support"] = None  # not heard: no record asked
+    asr = {"support": 5.0, "worst": 1.25, "beyond_s": 0.1, "stretch_s": 0.3, "words": [["Hi", 0.0, 0.5, 0.97]]}
+    asked = []
+
+    def record(row):
+        asked.append(row["id"])
+        return {"qc": {"asr": asr}}
+
+    path = tmp_path / "r.html"
+    write_report(path, rows, SUMMARY, wavs.__getitem__, record=record)
+    page = Page(path.read_text())
+    assert sorted(asked) == sorted(r["id"] for r in rows[1:])
+    for r in rows:
+        card = page.find("article", data_id=r["id"])[0]
+        words = [e.text for e in page.find("bdi", class_="w") if card in e.ancestors]
+        if r["qc_support"] == 5.0:
+            assert words == ["Hi"] and "support 5.000 · worst 1.250 · beyond 0.10 s · stretch 0.30 s" in card.text
+        else:
+            assert words == [] and "worst" not in card.text
+
+
+def test_the_calibration_table_shows_each_voices_limits(tmp_path):
+    rows, wavs = make_rows(10)
+    calibration = {"en_US-lessac-medium": {"min_support": 2.25, "min_word_support": -1.5, "clips": 40},
+                   '<i>"v"</i>': {"min_support": 3.0, "min_word_support": 0.0, "clips": 3}, "broken": "x"}
+    for summary in ({"qc": {"calibration": calibration}}, {"mode": "asr", "calibration": calibration}):
+        text, page = written(tmp_path, rows, wavs, summary=summary)
+        assert '<i>"v"</i>' not in text
+        table = {tr.attrs["data-voice"]: {td.attrs["data-name"]: td.text for td in tr.children if td.tag == "td"}
+                 for tr in page.find("tr", within="calibration") if "data-voice" in tr.attrs}
+        assert table == {"en_US-lessac-medium": {"min_support": "2.25", "min_word_support": "-1.5", "clips": "40"},
+                         '<i>"v"</i>': {"min_support": "3", "min_word_support": "0", "clips": "3"},
+                         "broken": {"min_support": "–", "min_word_support": "–", "clips": "–"}}
+    _, page = written(tmp_path, rows, wavs, name="none.html")
+    assert page.by_id("calibration") is None
+
+
+def test_a_runs_page_shows_each_clips_words_from_its_key_json(tmp_path):
+    """A real run (`--qc asr`, 3 rows, one with markup in its text): the manifest has no words, so
+    the page reads each shown clip's KEY.json from its shard."""
+    from helpers import read_output, write_jsonl
+
+    from cosybatch.config import RunConfig
+    from cosybatch.run.local import run
+
+    texts = ["The kettle is boiling.", "Please <script>alert(1)</script> close the window.", "Why not?"]
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)])
+    out = tmp_path / "out"
+    assert run(RunConfig.from_options(corpus=corpus, out=out, progress="none", qc="asr",
+                                      qc_on_fail="keep")).status == "complete"
+    text = (out / "report.html").read_text()
+    page = Page(text)
+    assert text.count("<script") == 1 and "<script>alert(1)" not in text
+    items = read_output(out)
+    for rid, item in items.items():
+        heard = item["meta"]["qc"]["asr"]
+        card = page.find("article", data_id=rid)[0]
+        assert card.attrs["data-group"] == "worst"
+        words = [e for e in page.find("bdi", class_="w") if card in e.ancestors]
+        expected = ["low" if p < 0.1 else "weak" if p < 0.5 else "" for _, _, _, p in heard["words"]]
+        assert classes(words) == [(w[0], c) for w, c in zip(heard["words"], expected, strict=True)]
+        assert f"support {heard['support']:.3f} · worst {heard['worst']:.3f}" in card.text
+    bars = page.find("rect", within="support-histogram", class_="bar")
+    assert sum(int(b.attrs["data-count"]) for b in bars) == 3
+    stats = json.loads((out / "stats.json").read_text())["qc"]
+    (voice, limits), = stats["calibration"].items()
+    row = page.find("tr", within="calibration", data_voice=voice)[0]
+    assert [td.text for td in row.children if td.tag == "td"] == [
+        f"{limits['min_support']:g}", f"{limits['min_word_support']:g}", str(limits["clips"])]

@@ -4,6 +4,7 @@ is read back. Skipped, saying how to install it, only where no chromium binary e
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -41,6 +42,9 @@ def test_the_page_renders_and_every_clip_loads_in_chromium(tmp_path):
     browser = chromium()
     rows, wavs = make_rows(60, hostile=True)
     rows[0]["qc_score"] = 99.0  # the hostile row is shown, as the worst
+    # Half heard (their words a JSON string, as qc.parquet has them), half transcribed.
+    for i, r in enumerate(rows[::2]):
+        r.update(qc_cer=None, qc_support=i / 3, words=json.dumps([[HOSTILE_ID, 0.0, 0.2, 0.05], ["ok", 0.2, 0.4, 0.9]]))
     durations = {r["id"]: r["duration_s"] for r in rows}
     summary = {"rows": 60, "hours": round(sum(durations.values()) / 3600, 4), "qc": {"mode": "asr"}}
     path = tmp_path / "report.html"
@@ -60,9 +64,16 @@ def test_the_page_renders_and_every_clip_loads_in_chromium(tmp_path):
     assert [tr.attrs["data-key"] for tr in page.find("tr", within="summary")] == ["rows", "hours", "qc.mode"]
     assert len(page.find("circle", within="duration-vs-length")) == 60
     assert len(page.find("rect", within="cer-histogram", class_="bar")) == report.CER_BINS + 1
+    bars = page.find("rect", within="support-histogram", class_="bar")
+    assert len(bars) == report.SUPPORT_BINS and sum(int(b.attrs["data-count"]) for b in bars) == 30
+    assert len(page.find("line", within="support-histogram", class_="limit")) == 1
     assert len(page.find("rect", within="pass-rate", class_="bar")) == 3
     assert len(page.find("polyline", within="throughput")) == 1
     assert page.find("article", data_id=HOSTILE_ID)  # escaped, so it stayed text, not markup
+    heard = [a for a in page.find("article") if a.attrs["data-id"] in {r["id"] for r in rows[::2]}]
+    words = page.find("bdi", class_="w")
+    assert len(words) == 2 * len(heard) and [w.text for w in words if "low" in w.attrs["class"]] == (
+        [HOSTILE_ID] * len(heard))
 
     # The script ran and every clip loaded, with the duration the WAV has.
     players = page.find("audio")
@@ -98,12 +109,16 @@ def test_a_runs_own_page_in_chromium(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     page = Page(done.stdout)
     assert {c.attrs["data-id"] for c in page.find("circle", within="duration-vs-length")} == set(manifest)
-    bars = page.find("rect", within="cer-histogram", class_="bar")
-    assert sum(int(b.attrs["data-count"]) for b in bars) == 6  # every clip was transcribed
+    bars = page.find("rect", within="support-histogram", class_="bar")
+    assert sum(int(b.attrs["data-count"]) for b in bars) == 6  # every clip was heard
+    assert page.by_id("plot-cer") is None  # none too long to be heard: no clip was transcribed instead
+    assert len(page.find("tr", within="calibration")) == 2  # the head, and the one voice
     players = page.find("audio")
     assert {a.attrs["data-id"] for a in players} == set(manifest)  # 6 rows: all among the worst 20
     for a in players:
         assert a.attrs.get("data-loaded") == "1"
         assert abs(float(a.attrs["data-duration"]) - manifest[a.attrs["data-id"]]["duration_s"]) < 0.05
+        card = page.find("article", data_id=a.attrs["data-id"])[0]
+        assert [w for w in page.find("bdi", class_="w") if card in w.ancestors]  # its words, from its KEY.json
     assert page.find("body")[0].attrs.get("data-audio-ready") == "6/6"
     assert len(page.find("polyline", within="throughput")) == 1

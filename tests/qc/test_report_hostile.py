@@ -9,10 +9,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import tarfile
 import threading
 from html.parser import HTMLParser
 
@@ -155,7 +157,8 @@ def test_a_bidi_control_in_a_row_cannot_reorder_the_page(tmp_path):
     evil = "row-0000" + RLO
     wavs[evil] = wavs.pop(rows[0]["id"])
     rows[0].update(id=evil, qc_score=99.0, voice="voice" + RLO, qc_flags=["slow" + RLO],
-                   text="text " + RLO + " reversed", qc_asr_text="heard " + RLO)
+                   text="text " + RLO + " reversed", qc_asr_text="heard " + RLO, qc_support=5.0,
+                   words=json.dumps([["text", 0.0, 0.2, 0.9], [RLO, 0.2, 0.3, 0.05], ["reversed", 0.3, 0.6, 0.4]]))
     path = tmp_path / "report.html"
     write_report(path, rows, {"engine" + RLO: "tone" + RLO}, wavs.__getitem__, title="out" + RLO)
     text = path.read_text(encoding="utf-8")
@@ -235,3 +238,59 @@ def test_the_throughput_note_is_the_runs_rate_not_the_first_commits(tmp_path, to
     (out / "stats.json").write_text(json.dumps({"status": "complete"}))
     write_job_report(out)
     assert "10 s of audio in 7.7 s since the job started: 1.30 audio-seconds per second" in rate_note(out)
+
+
+# -- the hearing's words, read from each shown clip's KEY.json ---------------------------------------------
+def shard_with(path, members: dict):
+    """A tar at path; members: name -> bytes, or name -> a link target (str) for a symbolic-link member."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            if isinstance(data, str):
+                info.type, info.linkname = tarfile.SYMTYPE, data
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_clips_record_is_read_only_as_a_regular_member_of_a_regular_shard(tmp_path, monkeypatch):
+    """Each case costs its clip's words (said on its card), never the page, and nothing is read
+    through a link, outside the folder, past the cap, or waited on."""
+    out = tmp_path / "out"
+    out.mkdir()
+    good = json.dumps({"qc": {"asr": {"support": 5.0, "words": [["fine", 0.0, 0.5, 0.9]]}}}).encode()
+    shard_with(tmp_path / "outside.tar", {"k.json": good})
+    cases = {
+        "good": ("good.tar", {"k.json": good}, None),
+        "link": ("link.tar", None, "is a symbolic link"),
+        "outside": ("../outside.tar", None, "is not inside the folder"),
+        "member-link": ("member-link.tar", {"k.json": "/etc/passwd"}, "k.json in member-link.tar is not a file"),
+        "big": ("big.tar", {"k.json": good + b" " * 200_000}, "more than the 150,000 read back"),
+        "deep": ("deep.tar", {"k.json": b"[" * 100_000}, "RecursionError"),
+        "fifo": ("fifo.tar", None, "is a FIFO"),
+    }
+    for shard, members, _ in cases.values():
+        if members is not None:
+            shard_with(out / shard, members)
+    (out / "link.tar").symlink_to(tmp_path / "outside.tar")
+    os.mkfifo(out / "fifo.tar")
+    monkeypatch.setattr(report, "RECORD_CAP", 150_000)
+    rows = [{"id": name, "text": "fine", "duration_s": 0.5, "qc_support": 5.0, "shard": shard, "key": "k"}
+            for name, (shard, _, _) in cases.items()]
+    try:
+        done, result = in_thread(lambda: write_report(out / "report.html", rows, {}, lambda _id: b"RIFF"))
+        assert done, "the page hung on a FIFO shard"
+    finally:
+        release(out / "fifo.tar")
+    assert result is None, result
+    page = Page((out / "report.html").read_text())
+    for name, (_, _, error) in cases.items():
+        card = page.find("article", data_id=name)[0]
+        words = [e.text for e in page.find("bdi", class_="w") if card in e.ancestors]
+        said = [e.text for e in page.find("p", class_="words-error") if card in e.ancestors]
+        if error is None:
+            assert words == ["fine"] and not said
+        else:
+            assert not words and len(said) == 1 and error in said[0], (name, said)
