@@ -1,7 +1,8 @@
 """What the quality gate costs, side by side in one run: `cosybatch run` of the main job's corpus
 with --qc off, --qc signals, --qc asr --qc-asr-rows flagged (Whisper hears the rows the signals
-flag) and --qc asr (every row heard, the default rows), each into its own fresh --out, the variants taking turns within every round
-(the order rotating from round to round), so a noisy machine slows them alike.
+flag) and --qc asr (every row heard, the default rows), each into its own fresh --out, the
+variants taking turns within every round (the order rotating from round to round), so a noisy
+machine slows them alike.
 
 Each run is a whole process, as a user runs it (start-up and model loading included). Prints per
 variant the median wall time and audio-seconds per wall-second over the rounds, the ratio of its

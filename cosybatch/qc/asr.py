@@ -295,7 +295,8 @@ def _heard(probs: np.ndarray, prior: np.ndarray, starts: np.ndarray, t0: float, 
     for word, piece in zip(words, pieces, strict=True):
         n = len(piece)
         a, b = float(starts[k]) - t0, float(starts[k + n]) - t0
-        out.append([word.strip(), round(max(0.0, a), 2), round(max(0.0, min(b, t1 - t0)), 2),
+        a, b = min(max(0.0, a), t1 - t0), min(max(0.0, b), t1 - t0)  # within the clip, start <= end
+        out.append([word.strip(), round(a, 2), round(max(a, b), 2),
                     round(float(np.exp(probs[k : k + n].mean())), 3)])
         k += n
     return Heard(logprob=float(probs.mean()), support=float(gain.mean()), worst=float(runs.min()),

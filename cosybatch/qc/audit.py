@@ -76,8 +76,12 @@ def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, rep
                 row.update({name: record["signals"].get(name) for name in SIGNAL_COLUMNS})
                 row["lm_stop"] = (record.get("lm") or {}).get("stop")
                 row["reason"] = record.get("reason")
-                if (record.get("asr") or {}).get("words"):
-                    row["words"] = json.dumps(record["asr"]["words"], ensure_ascii=False)
+                asr = record.get("asr") or {}
+                for name in ("worst", "beyond_s", "stretch_s"):
+                    if asr.get(name) is not None:
+                        row[f"qc_{name}"] = asr[name]
+                if asr.get("words"):
+                    row["words"] = json.dumps(asr["words"], ensure_ascii=False)
     _write_table(root / QC_FILE, rows)
     summary = _summary(rows, settings)
     summary["calibration"] = gate.calibration.report(settings.limits)

@@ -3,12 +3,10 @@ sharded job's root scored whole, and the same signals the run would have recorde
 
 from __future__ import annotations
 
+import hashlib
 import json
 
-import hashlib
-
 import pyarrow.parquet as pq
-import pytest
 from helpers import cli, corpus_rows, last_json, read_output, write_parquet
 
 from cosybatch.config import RunConfig
@@ -59,7 +57,8 @@ def test_the_audit_gives_the_verdicts_the_run_gave(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for r in pq.read_table(out / "qc.parquet").to_pylist():
         qc = made[r["id"]]
-        assert (r["qc_pass"], r["qc_support"], r["qc_flags"]) == (qc["pass"], qc["asr"]["support"], ",".join(qc["flags"]))
+        assert (r["qc_pass"], r["qc_support"], r["qc_flags"]) == \
+            (qc["pass"], qc["asr"]["support"], ",".join(qc["flags"]))
         assert r["pace"] == qc["signals"]["pace"]  # the run's expectation, recorded, is the audit's too
 
 
