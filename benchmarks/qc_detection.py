@@ -39,6 +39,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -139,10 +140,17 @@ def judge_run(clips: list[dict], expected: list, kind: str, share: float, settin
     bad, ok, caught, false = [], [], [], []
     batch: list[Clip] = []
     dead: list[bool] = []
+    why_false: Counter = Counter()  # what failed the clean rows
+    why_missed: Counter = Counter()  # the flags of failed rows that passed
 
     def flush() -> None:
         for clip, record in zip(batch, gate.verdicts(batch), strict=True):
-            (caught if clip.ref else false).append(record.get("pass") is False)
+            failing = record.get("pass") is False
+            (caught if clip.ref else false).append(failing)
+            if failing and not clip.ref:
+                why_false[(record.get("reason") or "").split(" (")[0]] += 1
+            elif clip.ref and not failing:
+                why_missed[",".join(record["flags"]) or "-"] += 1
         batch.clear()
 
     for i, c in enumerate(clips):
@@ -163,7 +171,8 @@ def judge_run(clips: list[dict], expected: list, kind: str, share: float, settin
     recall = round(float(np.mean(caught)), 4) if caught else None
     return {"failed_rows": len(bad), "clean_rows": len(ok), "recall": recall,
             "false_flags": round(float(np.mean(false)), 4) if false else 0.0,
-            "calibration": gate.calibration.report(settings.limits)}
+            "calibration": gate.calibration.report(settings.limits), "false_flag_reasons": dict(why_false),
+            "missed_with_flags": dict(why_missed)}
 
 
 def main() -> None:
@@ -206,7 +215,8 @@ def main() -> None:
                 r["seconds"] = round(time.perf_counter() - t, 1)
                 results.setdefault(mode, {}).setdefault(kind, {})[str(share)] = r
                 print(f"{mode:5s} {kind:14s} share {share}: recall {r['recall']} false flags {r['false_flags']} "
-                      f"({r['failed_rows']} failed, {r['clean_rows']} clean rows; {r['seconds']} s)", flush=True)
+                      f"({r['failed_rows']} failed, {r['clean_rows']} clean rows; {r['seconds']} s) "
+                      f"false: {r['false_flag_reasons']}", flush=True)
 
     def worst(mode: str, pick) -> float:
         return min(results[mode][k][str(s)]["recall"] for k in kinds if pick(k) for s in SHARES
