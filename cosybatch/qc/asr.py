@@ -42,6 +42,7 @@ GAP_S = 0.3  # silence heard after each clip
 MAX_TEXT_TOKENS = 400  # a window's text tokens (Whisper's decoder holds 448 positions with the prompt)
 WORST_SPAN = 4  # tokens: the weakest run of this many is the "missing words" signal
 TOKEN_S = 0.02  # the encoder's frame, the unit of the alignment's times
+DIGIT_S = 0.3  # seconds of speech a digit of a token may add to its span
 PAD_STEP_S = 0.5  # clips are padded to a multiple of this, so that few silent windows are encoded
 MODEL_FILES = ("model.bin", "config.json", "tokenizer.json")
 INSTALL_HINT = "install the QC extra: pip install 'cosybatch[qc]'"
@@ -265,6 +266,7 @@ class Heard:
     worst: float  # the lowest mean gain over WORST_SPAN consecutive tokens: words missing or garbled
     beyond_s: float  # speech after the last token starts: speech running past the text (said twice)
     stretch_s: float  # the most speech one token spans: speech the text does not account for
+    # (both less DIGIT_S per digit of the token: numbers in digits are said at length)
     words: list  # [word, start, end, probability]
 
     def as_dict(self) -> dict:
@@ -289,7 +291,11 @@ def _heard(probs: np.ndarray, prior: np.ndarray, starts: np.ndarray, t0: float, 
     gain = probs - prior
     span = min(WORST_SPAN, len(gain))
     runs = np.convolve(gain, np.ones(span) / span, mode="valid")
-    stretch = max(voiced(a, b) for a, b in itertools.pairwise(starts))
+    # A token written in digits is said as several words ("1897": eighteen ninety-seven): it may
+    # span DIGIT_S of speech per digit more than any other token, and the speech after the last
+    # token may run on by as much for the digits of the last three (a year before the full stop).
+    allow = [DIGIT_S * sum(c.isdigit() for c in tok.decode([t])) for t in ids]
+    stretch = max(voiced(a, b) - extra for (a, b), extra in zip(itertools.pairwise(starts), allow, strict=True))
     words, pieces = tok.split_to_word_tokens(list(ids))
     out, k = [], 0
     for word, piece in zip(words, pieces, strict=True):
@@ -300,7 +306,8 @@ def _heard(probs: np.ndarray, prior: np.ndarray, starts: np.ndarray, t0: float, 
                     round(float(np.exp(probs[k : k + n].mean())), 3)])
         k += n
     return Heard(logprob=float(probs.mean()), support=float(gain.mean()), worst=float(runs.min()),
-                 beyond_s=voiced(float(starts[-2]), t1), stretch_s=stretch, words=out)
+                 beyond_s=max(0.0, voiced(float(starts[-2]), t1) - sum(allow[-3:])), stretch_s=max(0.0, stretch),
+                 words=out)
 
 
 def _storage(array: np.ndarray):

@@ -53,7 +53,7 @@ class Limits:
     min_support: float = 3.0  # mean log-probability gain of the text's tokens with the audio over without
     min_word_support: float = 0.0  # the same over the weakest WORST_SPAN tokens: a word or two missing
     max_beyond_s: float = 0.5  # speech after the text's last word starts
-    max_stretch_s: float = 1.0  # speech within one token's span of the alignment
+    max_stretch_s: float = 1.25  # speech within one token's span of the alignment
     max_z: float = 4.0  # robust z of log(seconds per spoken character), for engines with no expectation
     max_pace_z: float = 3.5  # robust z of the pace against the expectation (too_long, too_short)
     min_history: int = 8  # clips of a voice before its speech rate is judged
