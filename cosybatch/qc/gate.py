@@ -51,7 +51,7 @@ class Limits:
     max_wer: Optional[float] = None
     # Hearing by scoring (docs/quality.md gives the figures these were set from, on two text domains):
     min_support: float = 3.0  # mean log-probability gain of the text's tokens with the audio over without
-    min_word_support: float = 0.0  # the same over the weakest WORST_SPAN tokens: a word or two missing
+    min_word_support: float = 1.0  # the same over the weakest WORST_SPAN tokens: a word or two missing
     max_beyond_s: float = 0.5  # speech after the text's last word starts
     max_stretch_s: float = 1.25  # speech within one token's span of the alignment
     max_z: float = 4.0  # robust z of log(seconds per spoken character), for engines with no expectation
@@ -176,7 +176,7 @@ class Calibration:
 
     CAL_MIN = 16
     CAL_K = 4.0
-    CAL_SLACK: ClassVar[dict] = {"support": 1.0, "worst": 1.5}
+    CAL_SLACK: ClassVar[dict] = {"support": 1.0, "worst": 0.5}
 
     def __init__(self) -> None:
         self.seen: dict[tuple, deque] = {}

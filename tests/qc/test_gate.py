@@ -146,7 +146,7 @@ def test_the_judgement_of_a_clip_scored_against_its_text():
     cases = {
         "clean": (heard(), None),
         "another row's audio": (heard(support=0.8, worst=-2.0), "text not heard (support 0.80 < 3.00)"),
-        "a word missing": (heard(worst=-1.5), "words not heard (support -1.50 < 0.00 near 'fox')"),
+        "a word missing": (heard(worst=-1.5), "words not heard (support -1.50 < 1.00 near 'fox')"),
         "said twice": (heard(beyond=3.2), "speech past the text (3.20 s > 0.5 s)"),
         "a phrase repeated": (heard(stretch=1.6), "speech the text does not account for (1.60 s > 1.25 s)"),
         "slow but heard": (heard(flags_=["slow"]), None),  # the audio says the text: soft flags are settled
