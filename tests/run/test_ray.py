@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import read_output, write_parquet
@@ -21,11 +22,31 @@ from cosybatch.run.local import run  # noqa: E402
 from cosybatch.run.ray import RayOptions, SynthWorker, ray_run  # noqa: E402
 
 # Each test starts a local Ray cluster (or a ray-run driver): seconds of start-up apiece.
-# These tests run in a pytest process of their own after the rest, not under pytest-xdist (`-m ray`):
-# one stops every Ray process on the machine (a Ray run elsewhere in the suite would die with it),
-# and one sends SIGTERM to its own process, which a pytest-xdist worker connected to a Ray cluster
-# takes through Ray's handler and dies of.
+# These tests run in a pytest process of their own, not under pytest-xdist (`-m ray`): one sends
+# SIGTERM to its own process, which a pytest-xdist worker connected to a Ray cluster takes through
+# Ray's handler and dies of. Each stops only the Ray processes it started, so the other Ray runs of
+# the suite (docs/production.md's blocks, tests/ops/test_plugin.py) may run at the same time.
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+def stop_session(sid: int, timeout: float = 30) -> None:
+    """SIGKILL every process of the session until none of them runs (a zombie left for init to
+    reap runs nothing). Ray puts each worker in a process group of its own, not in a session."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    running.append(int(stat.parent.name))
+                    os.kill(int(stat.parent.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):  # ended meanwhile
+                continue
+        if not running:
+            return
+        assert time.monotonic() < deadline, f"processes {running} of session {sid} outlive SIGKILL"
+        time.sleep(0.1)
 
 
 def rows(n: int) -> list[dict]:
@@ -34,14 +55,17 @@ def rows(n: int) -> list[dict]:
 
 
 # -- ray-run starting and stopping its own cluster (these run before the shared one starts: the
-# killed driver's test stops every Ray process on the machine, the bad voice's asserts none is up)
+# bad voice's test asserts that no cluster is up in this process)
 def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
     data = rows(100)
     corpus = write_parquet(tmp_path / "c.parquet", data)
     out = tmp_path / "out"
+    # A session of its own: the local cluster the driver starts (GCS, raylet, agents, actors) is in
+    # the driver's session, so it can be stopped without `ray stop --force`, which would stop every
+    # Ray process on the machine, those of other tests included.
     proc = subprocess.Popen([sys.executable, "-m", "cosybatch", "ray-run", str(corpus), "--out", str(out),
                              "--actors", "2", "--rows-per-task", "8", "--progress", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while len(list(out.glob("shard-*.tar"))) < 3:
         assert proc.poll() is None, proc.communicate()
@@ -49,7 +73,7 @@ def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+    stop_session(proc.pid)  # what is left of the killed driver's cluster
     finished_before = len(read_output(out))
     assert 0 < finished_before < 100
 
