@@ -26,4 +26,5 @@ class FaultyPiper(PiperEngine):
         doubled = getattr(self, "_doubled", set())
         audio = [np.concatenate([a, a]) if id(u.payload) in doubled else a
                  for u, a in zip(units, made.audio, strict=True)]
+        doubled -= {id(u.payload) for u in units}  # made: an id may be reused by a later payload
         return Synthesised(audio, real_frames=made.real_frames, padded_frames=made.padded_frames, lm=made.lm)
