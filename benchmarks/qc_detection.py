@@ -53,7 +53,7 @@ from cosybatch.qc.gate import QCSettings
 from cosybatch.qc.signals import FRAME_S, _runs, speech_frames
 from cosybatch.qc.takes import Clip, QualityGate
 from cosybatch.run.executor import ClipRejected, EngineSet, assemble_audio, expected_seconds
-from cosybatch.store.shards import as_committed
+from cosybatch.run.shaping import shape
 
 KINDS = ("truncated", "repeat", "repeat_half", "repeat_phrase", "skip", "run_on", "silence", "other_row", "noise",
          "zeros")
@@ -158,7 +158,7 @@ def judge_run(clips: list[dict], expected: list, kind: str, share: float, settin
         raw = c["audio"] if version is None else version
         (ok if version is None else bad).append(c["id"])
         try:
-            audio = as_committed(assemble_audio([raw], c["rate"], cfg))
+            audio = shape(assemble_audio([raw], c["rate"], cfg), c["rate"], cfg.output).audio
         except ClipRejected:
             dead.append(version is not None)
             (caught if version is not None else false).append(True)

@@ -226,6 +226,8 @@ class BatchingConfig:
 
 
 EXPORT_FORMATS = ("hf", "nemo", "lhotse")
+AUDIO_FORMATS = ("wav", "flac", "opus", "mp3")  # cosybatch.store.audio.FORMATS
+AUDIO_BITRATES = {"opus": (6, 256, 32), "mp3": (8, 320, 64)}  # kbit/s: lowest, highest, default
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,23 @@ class OutputConfig:
     sentence_silence_s: float = bounded(0.0, 0, 60)
     """Seconds of silence inserted between the sentences of one row (0 to 60)."""
     normalize: bool = True
-    """Scale each clip to a full-scale peak."""
+    """Scale each clip to a full-scale peak (unless --loudness sets its loudness instead)."""
+    audio_format: str = "wav"
+    """The clips' format in the shards: wav (16-bit PCM), flac (16-bit, lossless), opus or mp3 (lossy, at --bitrate)."""
+    bitrate: Optional[float] = bounded(None, 6, 320)
+    """kbit/s of the lossy formats (opus 6 to 256, default 32; mp3 8 to 320, default 64; the MP3 encoder takes
+    the nearest bitrate it has)."""
+    sample_rate: Optional[int] = bounded(None, 8000, 192000, integer=True)
+    """Resample every clip to this rate, Hz (8000 to 192000; unset: the engine's). Opus holds only 8, 12, 16, 24
+    and 48 kHz: another rate is raised to the next of these."""
+    loudness: Optional[float] = bounded(None, -70, -5)
+    """Normalise each clip's integrated loudness to this many LUFS (ITU-R BS.1770-4, -70 to -5; -23 is EBU R128),
+    instead of its peak to full scale."""
+    true_peak: float = bounded(-1.0, -20, 0)
+    """With --loudness: the true-peak ceiling, dBTP (-20 to 0); a clip that would pass it stays quieter."""
+    trim_silence_ms: Optional[int] = bounded(None, 50, 60000, integer=True)
+    """Cut each clip's leading and trailing silence to at most this many ms (50 to 60000; the quality gate
+    reads a clip's last 30 ms to tell a cut clip, so less than that would pass for one)."""
     shard_max_items: int = bounded(1000, 1, 10_000_000, integer=True)
     """Close a shard after this many items (1 to 10^7)."""
     shard_max_bytes: int = bounded(256 * MiB, 1, 2**40, integer=True)
@@ -268,9 +286,35 @@ class OutputConfig:
                 isinstance(self.shard_index, int) and 0 <= self.shard_index < self.shard_count):
             raise UsageError(f"--shard {self.shard_index}/{self.shard_count}: "
                              f"the index must be in 0..{self.shard_count - 1}")
+        if self.audio_format not in AUDIO_FORMATS:
+            raise UsageError(f"--audio-format must be one of {', '.join(AUDIO_FORMATS)} (got {self.audio_format!r})")
+        lowest_highest = AUDIO_BITRATES.get(self.audio_format)
+        if self.bitrate is not None and lowest_highest is None:
+            raise UsageError(f"--bitrate is for the lossy formats (opus, mp3); {self.audio_format} is lossless")
+        if self.bitrate is not None and not lowest_highest[0] <= self.bitrate <= lowest_highest[1]:
+            raise UsageError(f"--bitrate for {self.audio_format} must be in [{lowest_highest[0]}, "
+                             f"{lowest_highest[1]}] kbit/s (got {self.bitrate:g})")
         unknown = set(self.exports) - set(EXPORT_FORMATS)
         if unknown:
-            raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from hf, nemo, lhotse")
+            raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from {', '.join(EXPORT_FORMATS)}")
+
+    def audio_settings(self) -> dict:
+        """What of the clips' last stage differs from the default (16-bit WAV at the engine's rate,
+        peak-normalised, untrimmed): recorded in the job's fingerprint and each KEY.json "settings"
+        when set, so a resume with other bytes is refused and jobs without them keep their record."""
+        found: dict[str, Any] = {}
+        if self.audio_format != "wav":
+            found["format"] = self.audio_format
+            if self.audio_format in AUDIO_BITRATES:
+                found["bitrate"] = self.bitrate or AUDIO_BITRATES[self.audio_format][2]
+        if self.sample_rate is not None:
+            found["sample_rate"] = self.sample_rate
+        if self.loudness is not None:
+            found["loudness"] = self.loudness
+            found["true_peak"] = self.true_peak
+        if self.trim_silence_ms is not None:
+            found["trim_silence_ms"] = self.trim_silence_ms
+        return found
 
 
 @dataclass(frozen=True)
@@ -392,6 +436,9 @@ FLAT: dict[str, tuple[str, str]] = {
     "batch_budget": ("batching", "batch_budget"), "workers": ("batching", "workers"),
     "threads": ("engine", "threads"), "window": ("batching", "window"), "seed": ("engine", "seed"),
     "sentence_silence": ("output", "sentence_silence_s"), "normalize": ("output", "normalize"),
+    "audio_format": ("output", "audio_format"), "bitrate": ("output", "bitrate"),
+    "sample_rate": ("output", "sample_rate"), "loudness": ("output", "loudness"),
+    "true_peak": ("output", "true_peak"), "trim_silence": ("output", "trim_silence_ms"),
     "shard_max_items": ("output", "shard_max_items"), "shard_max_bytes": ("output", "shard_max_bytes"),
     "limit": ("input", "limit"), "max_chars": ("input", "max_chars"), "max_runtime": ("ops", "max_runtime_s"),
     "max_failures": ("ops", "max_failures"), "shard_index": ("output", "shard_index"),

@@ -13,7 +13,6 @@ waiting on a FIFO, only regular files, and a clip embedded only up to CLIP_CAP b
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -23,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+from ..store.audio import audio_ext, decode
 from ..store.checkpoint import MANIFEST_FILE, RUN_FILE, STATE_DIR, STATS_FILE, atomic_file
 from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
@@ -44,7 +44,6 @@ def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, rep
     """Score every clip under `root` (a job folder, one part, or a sharded job's root); write
     ROOT/qc.parquet (and ROOT/report.html). Returns the summary. The clips are judged by the run's
     own gate (`QualityGate.verdicts`), on the samples as written."""
-    import soundfile
 
     from .takes import Clip, QualityGate
 
@@ -55,8 +54,8 @@ def audit(root: Path, settings: QCSettings, transcriber=None, seed: int = 0, rep
     for shard, expected in paths:
         clips: list[Clip] = []
         silences: list[float] = []
-        for key, meta, wav in iter_shard(shard, expected):  # the journal's key, id and checksum, checked
-            audio, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+        for key, meta, data in iter_shard(shard, expected):  # the journal's key, id and checksum, checked
+            audio, rate = decode(data)
             made = meta.get("qc") if isinstance(meta.get("qc"), dict) else {}
             voice = meta.get("voice") or ""
             row = {"id": meta["id"], "key": key, "shard": str(shard.relative_to(root)), "voice": voice,
@@ -123,17 +122,19 @@ def _summary(rows: list[dict], settings: QCSettings) -> dict:
 
 # -- the audit page ------------------------------------------------------------------------------
 def _clips(root: Path, rows: list[dict]):
-    """id -> WAV bytes, read from the shard members on demand."""
+    """id -> the audio member's bytes (any format: store/audio.py), read from the shard on demand."""
     where = {r["id"]: (r["shard"], r["key"]) for r in rows}
 
     def clip(item_id: str) -> bytes:
         shard, key = where[item_id]
         with open_regular(root / shard) as f, tarfile.open(fileobj=f) as tar:
-            member = tar.getmember(f"{key}.wav")
+            member = next((m for m in tar if m.name.partition(".")[0] == key and audio_ext(m.name)), None)
+            if member is None:
+                raise NotReadable(f"{shard} holds no audio member of {key}")
             if not member.isfile():
-                raise NotReadable(f"{key}.wav in {shard} is not a file")
+                raise NotReadable(f"{member.name} in {shard} is not a file")
             if member.size > CLIP_CAP:
-                raise NotReadable(f"{key}.wav in {shard} is {member.size:,} bytes, more than the {CLIP_CAP:,} "
+                raise NotReadable(f"{member.name} in {shard} is {member.size:,} bytes, more than the {CLIP_CAP:,} "
                                   "the page embeds")
             return tar.extractfile(member).read()
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
+from ..store.audio import mime_type
 from ..store.readback import NotReadable, open_regular
 
 SCATTER_CAP = 5000  # more points than this: a seeded sample of this many is plotted, and the page says so
@@ -74,7 +75,7 @@ def write_report(
 
     rows: one dict per clip; `id`, `text` and `duration_s` are expected, every other key (`voice`,
     `units`, `qc_pass`, `qc_flags`, `qc_cer`, `qc_wer`, `qc_asr_text`, `qc_attempts`, `qc_score`) may
-    be missing. summary: shown as a table, nested dicts flattened to dotted keys. clip(id): the WAV
+    be missing. summary: shown as a table, nested dicts flattened to dotted keys. clip(id): the audio
     bytes of one clip, called only for the (at most 40) clips the page plays. throughput: points
     (seconds since the job started, cumulative audio seconds committed). rate: (audio seconds, wall
     seconds) of the run, for the throughput note; without it the note's rate is the last point's
@@ -681,10 +682,10 @@ def _clip_card(group: str, row: dict, clip: Callable[[str], bytes], record: Call
             facts.append(f"{name} {fmt.format(float(heard[key]))}")
     flags = row.get("qc_flags") or []
     try:
-        wav = clip(rid)
+        data = clip(rid)
         player = (
             f'<audio controls preload="metadata" data-id="{_e(rid)}" '
-            f'src="data:audio/wav;base64,{base64.b64encode(wav).decode("ascii")}"></audio>'
+            f'src="data:{mime_type(data)};base64,{base64.b64encode(data).decode("ascii")}"></audio>'
         )
     except Exception as e:  # one unreadable clip must not cost the whole page; it is shown instead
         player = f'<p class="clip-error">The audio could not be read: {_ident(f"{type(e).__name__}: {e}")}</p>'

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -40,6 +40,7 @@ class PendingRow:
     entry: Optional[PoolEntry] = None  # the pool's voice the job chose for it (its retakes keep it)
     meta: Optional[dict] = None  # KEY.json fields of this row: speaker, prompt, language, prosody
     expected_s: Optional[float] = None  # how long its engine expects the clip to be (`expected_seconds`)
+    shaped: Any = None  # its take made ready for the shard (run.shaping.Shaped), once joined
 
 
 @dataclass
@@ -86,9 +87,9 @@ def expected_seconds(engine, pieces, sentence_silence: float) -> Optional[float]
 
 
 def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
-    """A row's sentences joined in order (with --sentence-silence between), peak-normalised.
-    Raises ClipRejected for a piece that is no speech (`clip_fault`): checked per piece, before the
-    silence between pieces and the normalisation could hide it."""
+    """A row's sentences joined in order (with --sentence-silence between); its level, rate and
+    format are `run.shaping.shape`'s. Raises ClipRejected for a piece that is no speech
+    (`clip_fault`): checked per piece, before the silence between pieces could hide it."""
     for i, part in enumerate(parts):
         fault = clip_fault(np.asarray(part))
         if fault:
@@ -103,9 +104,6 @@ def assemble_audio(parts: list, sample_rate: int, cfg: RunConfig) -> np.ndarray:
                 pieces.append(gap)
             pieces.append(part)
         audio = np.concatenate(pieces)
-    if cfg.output.normalize:
-        peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
-        audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
     return audio
 
 

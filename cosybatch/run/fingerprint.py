@@ -33,6 +33,7 @@ def job_fingerprint(cfg: RunConfig, corpus: Corpus, engine: dict, runner: Option
         "seed": cfg.engine.seed,
         "sentence_silence": cfg.output.sentence_silence_s,
         "normalize": cfg.output.normalize,
+        **({"audio": audio} if (audio := cfg.output.audio_settings()) else {}),
         "shard": None if cfg.output.shard_count is None else [cfg.output.shard_index, cfg.output.shard_count],
         **({"voices": voices} if (voices := cfg.voice_router().describe()) else {}),
     }

@@ -33,7 +33,6 @@ from ..qc.takes import Clip, QualityGate, Settled
 from ..store.checkpoint import DUPLICATE_ID
 from ..store.distributed import shard_of
 from ..store.items import render_item, source_hash
-from ..store.shards import as_committed, committed_pcm
 from .executor import (
     BatchPolicy,
     ClipRejected,
@@ -47,6 +46,7 @@ from .executor import (
     run_batch,
     segment_times,
 )
+from .shaping import Shaped, shape, shift_segments
 
 log = logging.getLogger("cosybatch")
 
@@ -284,17 +284,22 @@ class RowLine:
             clip.error = p.error
             return clip
         try:
-            # The gate judges the samples as committed: what `cosybatch qc` and every reader decode.
-            clip.audio = as_committed(assemble_audio(p.parts, engine.sample_rate, self.cfg))
+            joined = assemble_audio(p.parts, engine.sample_rate, self.cfg)
         except ClipRejected as exc:
             clip.error, clip.dead = str(exc), True
+            return clip
+        # The gate judges the samples as committed: what `cosybatch qc` and every reader decode.
+        p.shaped = shape(joined, engine.sample_rate, self.cfg.output)
+        clip.audio, clip.sample_rate = p.shaped.audio, p.shaped.rate
         return clip
 
     def _render(self, settled: Settled) -> tuple[str, dict, dict]:
         p: PendingRow = settled.clip.ref
         engine = self.engines.by_voice[p.voice]
-        segments = segment_times(p.parts, p.texts, engine.sample_rate, self.cfg)
-        return render_item(p.row, p.text, committed_pcm(settled.clip.audio), engine, self.cfg, p.label, p.instruct,
+        shaped: Shaped = p.shaped
+        segments = shift_segments(segment_times(p.parts, p.texts, engine.sample_rate, self.cfg), shaped.cut_s,
+                                  shaped.member.num_samples / shaped.rate)
+        return render_item(p.row, p.text, shaped.member, engine, self.cfg, p.label, p.instruct,
                            qc=settled.qc, extra=row_extra(p), segments=segments)
 
 

@@ -454,11 +454,14 @@ MANIFEST_COLUMNS = (("key", "string"), ("id", "string"), ("shard", "string"), ("
                     ("voice", "string"), ("duration_s", "float64"), ("num_samples", "int64"),
                     ("sample_rate", "int32"), ("row", "int64"))
 # Columns a manifest has only when some item has the field (so a job without them keeps the schema).
-# wav_sha256: the sha256 of the item's KEY.wav member (hex); items written before it was recorded have none.
+# wav_sha256: the sha256 of the item's audio member (hex; KEY.wav, or KEY.flac ... whatever its format: the name
+# predates the other formats); items written before it was recorded have none.
+# format: the audio member's format (store/audio.py) when not wav; loudness_lufs: with --loudness, as measured.
 # qc_*: the quality gate's columns (cosybatch.store.items.QC_COLUMNS), for items measured by it.
 # speaker, prompt: the voice pool's speaker or prompt a row was given; language: the row's language column.
 OPTIONAL_MANIFEST_COLUMNS = (("instruct", "string"), ("wav_sha256", "string"), ("speaker", "string"),
-                             ("prompt", "string"), ("language", "string"), *QC_COLUMNS)
+                             ("prompt", "string"), ("language", "string"), ("format", "string"),
+                             ("loudness_lufs", "float64"), *QC_COLUMNS)
 
 
 def write_manifest_table(root: Path, records) -> int:

@@ -45,10 +45,12 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import DamagedOutputError, UsageError
+from .audio import AUDIO_EXTS, DEFAULT_FORMAT, audio_of
+from .audio import checksum as audio_checksum
 from .checkpoint import MANIFEST_FILE, RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
 from .distributed import job_folders
 from .items import QC_COLUMNS, qc_columns
-from .shards import item_key, wav_checksum
+from .shards import item_key
 
 FORMATS = ("hf", "nemo", "lhotse")
 COPYING = ("nemo", "lhotse")  # the formats that point into the shards, or copy the audio out with copy=True
@@ -100,8 +102,8 @@ def expected_items(folder: Path) -> Optional[dict[str, dict[str, dict]]]:
 
 
 class _ShardCheck:
-    """What `run` checks before it keeps a member, for a reader of one shard: each member is a
-    KEY.wav or KEY.json of an item the journal put in this shard (the key is the journal's, and
+    """What `run` checks before it keeps a member, for a reader of one shard: each member is the
+    audio member (KEY.wav, KEY.flac, ...) or KEY.json of an item the journal put in this shard (the key is the journal's, and
     so never a path), its KEY.json names the journal's id, its audio matches the recorded
     wav_sha256, and every item the journal put there is found, once."""
 
@@ -110,15 +112,18 @@ class _ShardCheck:
 
     def member(self, member: tarfile.TarInfo) -> tuple[str, str]:
         key, _, ext = member.name.partition(".")
-        if ext not in ("wav", "json") or not member.isfile():
-            raise _not_the_journals(self.path, f"member {member.name!r} is not an item's KEY.wav or KEY.json")
+        if (ext != "json" and ext not in AUDIO_EXTS) or not member.isfile():
+            raise _not_the_journals(self.path, f"member {member.name!r} is not an item's audio or KEY.json")
         if self.expected is not None and key not in self.expected:
             raise _not_the_journals(self.path, f"member {member.name!r} is not an item its journal wrote there")
         return key, ext
 
-    def item(self, key: str, meta, digest: str) -> dict:
+    def item(self, key: str, meta, ext: str, digest: str) -> dict:
         if not isinstance(meta, dict) or not isinstance(meta.get("id"), str):
             raise _not_the_journals(self.path, f"{key}.json is not a cosybatch item's")
+        if meta.get("format", DEFAULT_FORMAT) != ext:
+            raise _not_the_journals(self.path, f"{key}.{ext} is not the {meta.get('format', DEFAULT_FORMAT)!r} "
+                                               "audio its KEY.json records")
         want = self.expected[key] if self.expected is not None else {"id": meta["id"],
                                                                      "wav_sha256": meta.get("wav_sha256")}
         if meta["id"] != want["id"] or item_key(meta["id"]) != key:
@@ -126,7 +131,7 @@ class _ShardCheck:
                                                f"{want['id']!r} there (another job's item, or a renamed member)")
         checksum = want.get("wav_sha256")
         if meta.get("wav_sha256") != checksum or (checksum is not None and digest != checksum):
-            raise _not_the_journals(self.path, f"{key}.wav does not match the wav_sha256 its journal recorded: "
+            raise _not_the_journals(self.path, f"{key}.{ext} does not match the wav_sha256 its journal recorded: "
                                                "its audio changed after it was written",
                                     f"Delete {self.path.name} and rerun the job's `cosybatch run` command (same "
                                     "arguments) to make its items again")
@@ -143,7 +148,8 @@ class _ShardCheck:
 
 
 def iter_shard(path: Path, expected: Expected = None) -> Iterator[tuple[str, dict, bytes]]:
-    """(key, metadata, wav bytes) for every item of one tar shard, in order, each checked against
+    """(key, metadata, audio bytes) for every item of one tar shard, in order (the audio member's
+    format is metadata["format"], "wav" when absent: `member_name`), each checked against
     `expected` (the journal's items for this shard; without it, against the item's own KEY.json:
     its key must be its id's and its audio must match its wav_sha256). A shard that cannot be read
     to its end, or holds anything else, raises DamagedOutputError naming it."""
@@ -156,15 +162,21 @@ def iter_shard(path: Path, expected: Expected = None) -> Iterator[tuple[str, dic
                 data = tar.extractfile(member).read()
                 entry = pending.setdefault(key, {})
                 entry[ext] = data
-                if "wav" in entry and "json" in entry:
+                audio = audio_of(entry)
+                if audio is not None and "json" in entry:
                     del pending[key]
-                    meta = check.item(key, json.loads(entry["json"]), wav_checksum(entry["wav"]))
-                    yield key, meta, entry["wav"]
+                    meta = check.item(key, json.loads(entry["json"]), audio[0], audio_checksum(audio[1]))
+                    yield key, meta, audio[1]
     except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
         raise _damaged(path, exc) from None
     if pending:
         raise _unpaired(path, len(pending))
     check.end()
+
+
+def member_name(key: str, meta: dict) -> str:
+    """The audio member's name of an item: KEY.EXT by the format its KEY.json records."""
+    return f"{key}.{meta.get('format', DEFAULT_FORMAT)}"
 
 
 def _damaged(path: Path, exc: Exception) -> DamagedOutputError:
@@ -183,12 +195,12 @@ def _not_the_journals(path: Path, why: str, fix: str = REPAIR) -> DamagedOutputE
 
 
 def _unpaired(path: Path, count: int) -> DamagedOutputError:
-    return DamagedOutputError(f"{path} holds {count} items without both their .wav and .json members; nothing "
+    return DamagedOutputError(f"{path} holds {count} items without both their audio and .json members; nothing "
                               "was exported. Rerun the job's `cosybatch run` to repair the folder, then export again")
 
 
 def iter_members(path: Path, expected: Expected = None) -> Iterator[tuple[str, dict, int, int]]:
-    """(key, metadata, offset, size) for every item of one tar shard, in order: where its WAV
+    """(key, metadata, offset, size) for every item of one tar shard, in order: where its audio
     member's bytes lie in the file, found from the tar headers, each item checked as `iter_shard`
     checks it (the audio is read once, to compare its checksum, never held). A shard that cannot
     be read to its end, or holds anything else, raises DamagedOutputError naming it."""
@@ -199,18 +211,19 @@ def iter_members(path: Path, expected: Expected = None) -> Iterator[tuple[str, d
             for member in tar:
                 key, ext = check.member(member)
                 entry = pending.setdefault(key, {})
-                if ext == "wav":
+                if ext in AUDIO_EXTS:
                     digest = hashlib.sha256()
                     source = tar.extractfile(member)
                     while chunk := source.read(1 << 20):
                         digest.update(chunk)
-                    entry["wav"] = (member.offset_data, member.size, digest.hexdigest())
+                    entry[ext] = (member.offset_data, member.size, digest.hexdigest())
                 else:
                     entry[ext] = tar.extractfile(member).read()
-                if "wav" in entry and "json" in entry:
+                audio = audio_of(entry)
+                if audio is not None and "json" in entry:
                     del pending[key]
-                    offset, size, checksum = entry["wav"]
-                    yield key, check.item(key, json.loads(entry["json"]), checksum), offset, size
+                    offset, size, checksum = audio[1]
+                    yield key, check.item(key, json.loads(entry["json"]), audio[0], checksum), offset, size
     except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:  # AttributeError: a non-file member
         raise _damaged(path, exc) from None
     if pending:
@@ -324,7 +337,7 @@ def _write_hf(root: Path, dest: Path) -> None:
         if with_qc:
             rows.update({name: [] for name, _ in QC_COLUMNS})
         for key, meta, wav in iter_shard(*shard) if shard is not None else ():
-            rows["audio"].append({"bytes": wav, "path": f"{key}.wav"})
+            rows["audio"].append({"bytes": wav, "path": member_name(key, meta)})
             rows["id"].append(meta["id"])
             rows["text"].append(meta["text"])
             rows["duration"].append(meta["duration"])
@@ -371,7 +384,7 @@ def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
     out = []
     for shard, expected in shards(root):
         for key, meta, wav in iter_shard(shard, expected):  # the key is the journal's, checked, never a path
-            path = wavs / f"{key}.wav"
+            path = wavs / member_name(key, meta)
             if not _holds(path, wav):
                 write_atomic(path, wav)
             out.append((path, meta))
@@ -439,7 +452,7 @@ def _write_nemo_tarred(root: Path, dest: Path, tmp: Path) -> None:
     (tmp / "sharded_manifests").mkdir()
     everything = []
     for n, (shard, expected) in enumerate(shards(root)):
-        entries = [{**_nemo_entry(meta, f"{key}.wav"), "shard_id": n}
+        entries = [{**_nemo_entry(meta, member_name(key, meta)), "shard_id": n}
                    for key, meta, _, _ in iter_members(shard, expected)]
         (tmp / "sharded_manifests" / f"manifest_{n}.json").write_bytes(_jsonl(entries))
         os.symlink(os.path.relpath(shard, dest), tmp / f"audio_{n}.tar")

@@ -1,5 +1,5 @@
-"""The item format: what one finished clip becomes in a shard. Its key, its tar members (KEY.wav,
-KEY.json) and its manifest record, the source hash that ties it to its corpus row, and the
+"""The item format: what one finished clip becomes in a shard. Its key, its tar members (its audio,
+KEY.wav or another format's KEY.EXT (store/audio.py), and KEY.json) and its manifest record, the source hash that ties it to its corpus row, and the
 quality gate's manifest columns. The store writes and reads items in this format; the run makes
 them; nothing here runs an engine or a quality check."""
 
@@ -9,33 +9,34 @@ import hashlib
 import json
 from typing import Any, Optional
 
-import numpy as np
-
 from .. import __version__
 from ..corpus import Row
-from .shards import item_key, wav_bytes, wav_checksum
+from .audio import DEFAULT_FORMAT, Member, checksum
+from .shards import item_key
 
 
-def render_item(row: Row, text: str, audio: np.ndarray, engine: Any, cfg: Any,
+def render_item(row: Row, text: str, audio: Member, engine: Any, cfg: Any,
                 voice: Optional[str] = None, instruct: Optional[str] = None,
                 qc: Optional[dict] = None, extra: Optional[dict] = None,
                 segments: Optional[list] = None) -> tuple[str, dict, dict]:
-    """A finished row's clip (float from `assemble_audio`, or its int16 samples) -> (shard key, tar
-    members {ext: bytes}, manifest record). `engine` is the engine that made it (its name, voice, sample rate and
-    fingerprint are recorded) and `cfg` the run's config (its seed, --sentence-silence and
-    --normalize). `voice` is the row's own voice when the engine serves several (fixed when the
-    row was prepared); `qc` is the quality gate's record of it (KEY.json "qc"); `extra` the row's
-    speaker, prompt and language (KEY.json fields and manifest columns of the same names) and its
-    drawn settings (KEY.json "prosody"); `segments` where each piece is in the clip
-    (`segment_times`, KEY.json "segments")."""
+    """A finished row's audio member (`store.audio.Member`, made by the run's last stage) -> (shard
+    key, tar members {ext: bytes}, manifest record). `engine` is the engine that made it (its
+    name, voice and fingerprint are recorded) and `cfg` the run's config (its seed,
+    --sentence-silence, --normalize and the audio settings, `OutputConfig.audio_settings`). `voice`
+    is the row's own voice when the engine serves several (fixed when the row was prepared); `qc`
+    is the quality gate's record of it (KEY.json "qc"); `extra` the row's speaker, prompt and
+    language (KEY.json fields and manifest columns of the same names) and its drawn settings
+    (KEY.json "prosody"); `segments` where each piece is in the clip (KEY.json "segments")."""
     key = item_key(row.id)
     voice = voice or engine.voice_name
+    settings = {**engine.fingerprint(), "sentence_silence": cfg.output.sentence_silence_s,
+                "normalize": cfg.output.normalize, "cosybatch": __version__}
+    if audio_settings := cfg.output.audio_settings():
+        settings["audio"] = audio_settings
     meta = {
-        "id": row.id, "text": text, "duration": len(audio) / engine.sample_rate,
-        "sample_rate": engine.sample_rate, "num_samples": len(audio), "voice": voice,
-        "engine": engine.name, "seed": cfg.engine.seed, "row": row.index,
-        "settings": {**engine.fingerprint(), "sentence_silence": cfg.output.sentence_silence_s,
-                     "normalize": cfg.output.normalize, "cosybatch": __version__},
+        "id": row.id, "text": text, "duration": audio.num_samples / audio.sample_rate,
+        "sample_rate": audio.sample_rate, "num_samples": audio.num_samples, "voice": voice,
+        "engine": engine.name, "seed": cfg.engine.seed, "row": row.index, "settings": settings,
     }
     if instruct is not None:
         meta["instruct"] = instruct
@@ -51,15 +52,20 @@ def render_item(row: Row, text: str, audio: np.ndarray, engine: Any, cfg: Any,
         meta["qc"] = qc
     if segments is not None:
         meta["segments"] = segments
-    wav = wav_bytes(audio, engine.sample_rate)
+    meta.update(audio.fields or {})
     # What the audio was, so that verify (and a repair that re-reads it) can tell when it changed;
     # the source hash, so that a repair adopts the item only for the same row.
-    meta["wav_sha256"] = wav_checksum(wav)
+    meta["format"] = audio.ext
+    meta["wav_sha256"] = checksum(audio.data)
     meta["source"] = source_hash(row)
-    members = {"wav": wav, "json": json.dumps(meta, ensure_ascii=False).encode()}
+    members = {audio.ext: audio.data, "json": json.dumps(meta, ensure_ascii=False).encode()}
     record = {"id": row.id, "key": key, "row": row.index, "text": text, "voice": voice,
-              "duration_s": meta["duration"], "num_samples": len(audio), "sample_rate": engine.sample_rate,
+              "duration_s": meta["duration"], "num_samples": audio.num_samples, "sample_rate": audio.sample_rate,
               "source": meta["source"], "wav_sha256": meta["wav_sha256"]}
+    if audio.ext != DEFAULT_FORMAT:
+        record["format"] = audio.ext
+    if (meta.get("loudness") or {}).get("lufs") is not None:
+        record["loudness_lufs"] = meta["loudness"]["lufs"]
     if instruct is not None:
         record["instruct"] = instruct
     for name in RECORDED:
@@ -69,10 +75,7 @@ def render_item(row: Row, text: str, audio: np.ndarray, engine: Any, cfg: Any,
         record.update(qc_columns(qc))
     return key, members, record
 
-
 RECORDED = ("speaker", "prompt", "language")  # KEY.json fields that are manifest columns too, when set
-
-
 
 def source_hash(row: Row) -> str:
     """What a row asked for (text, voice, prompt): a later corpus whose row differs is reported."""
@@ -84,13 +87,11 @@ def source_hash(row: Row) -> str:
     fields = json.dumps(fields, ensure_ascii=False)
     return hashlib.blake2b(fields.encode(), digest_size=8).hexdigest()
 
-
 # The manifest's QC columns (store/checkpoint.py OPTIONAL_MANIFEST_COLUMNS), from a KEY.json "qc".
 QC_COLUMNS = (("qc_pass", "bool_"), ("qc_flags", "string"), ("qc_score", "float64"), ("qc_cer", "float64"),
               ("qc_wer", "float64"), ("qc_attempts", "int32"), ("qc_z", "float64"),
               ("qc_speech_share", "float64"), ("qc_s_per_unit", "float64"), ("qc_asr_text", "string"),
               ("qc_pace", "float64"), ("qc_support", "float64"))
-
 
 def qc_columns(qc: dict) -> dict:
     """A clip's QC record -> its manifest columns (flags comma-separated)."""

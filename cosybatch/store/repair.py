@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .audio import DEFAULT_FORMAT, audio_of
+from .audio import checksum as audio_checksum
 from .checkpoint import (
     DAMAGED_DIR,
     EOA_BYTES,
@@ -52,7 +54,7 @@ from .checkpoint import (
     OutputDir,
     shard_indices,
 )
-from .shards import TAR_BLOCK, fsync_dir, item_key, shard_name, wav_checksum
+from .shards import TAR_BLOCK, fsync_dir, item_key, shard_name
 
 log = logging.getLogger("cosybatch")
 
@@ -269,7 +271,8 @@ def _member_at(block: bytes) -> Optional[tuple[str, int]]:
 
 def _matching_prefix(path: Path, batches: list, limit: int) -> tuple[int, Optional[str]]:
     """How many bytes from the start of the shard hold exactly the members the journal wrote there
-    (each item's KEY.wav then KEY.json, by header, name and the id in KEY.json), up to `limit`;
+    (each item's audio member, KEY.wav or its format's, then KEY.json, by header, name and the id in
+    KEY.json), up to `limit`;
     and, when a member is not the journal's, what was found instead. Reads headers and KEY.json,
     never the audio: two reads per item."""
     pos = 0
@@ -280,10 +283,11 @@ def _matching_prefix(path: Path, batches: list, limit: int) -> tuple[int, Option
                 if pos + 2 * TAR_BLOCK > limit:
                     return at, None  # the file is shorter: not foreign, only cut
                 f.seek(pos)
-                wav = _member_at(f.read(TAR_BLOCK))
-                if wav is None or wav[0] != f"{item['key']}.wav":
-                    return at, _not_ours(pos, wav, f"{item['key']}.wav")
-                pos += TAR_BLOCK + -(-wav[1] // TAR_BLOCK) * TAR_BLOCK
+                audio = _member_at(f.read(TAR_BLOCK))
+                audio_name = f"{item['key']}.{item.get('format') or DEFAULT_FORMAT}"
+                if audio is None or audio[0] != audio_name:
+                    return at, _not_ours(pos, audio, audio_name)
+                pos += TAR_BLOCK + -(-audio[1] // TAR_BLOCK) * TAR_BLOCK
                 if pos + TAR_BLOCK > limit:
                     return at, None
                 f.seek(pos)
@@ -322,7 +326,7 @@ def _ends_archive(path: Path, end: int) -> bool:
 
 def _scan_items(path: Path, start: int, limit: int, taken: Callable[[str], bool],
                 admit: Optional[Admit] = None) -> tuple[list[dict], int, Optional[str]]:
-    """Whole items (KEY.wav then KEY.json, as ShardWriter writes them) from byte `start` up to
+    """Whole items (the audio member then KEY.json, as ShardWriter writes them) from byte `start` up to
     `limit`, as journal item records, the offset after the last one, and why a whole item was
     refused (None when the scan stopped at a torn member or the end). Stops at the first thing
     that is not a whole cosybatch item: a torn or foreign member, end-of-archive, audio that does
@@ -348,12 +352,16 @@ def _scan_items(path: Path, start: int, limit: int, taken: Callable[[str], bool]
                 break  # a member of another item before this one was whole
             members = pending.setdefault(key, {})
             members[ext] = (data_at, info.size)
-            if "wav" not in members or "json" not in members:
+            try:
+                audio = audio_of(members)
+            except ValueError:
+                break  # two audio members: not an item the writer made
+            if audio is None or "json" not in members:
                 continue
             f.seek(members["json"][0])
             meta_bytes = f.read(members["json"][1])
-            f.seek(members["wav"][0])
-            record, refused = _item_record(key, meta_bytes, f.read(members["wav"][1]), admit)
+            f.seek(audio[1][0])
+            record, refused = _item_record(key, meta_bytes, audio[0], f.read(audio[1][1]), admit)
             if record is not None and (taken(record["id"]) or any(r["id"] == record["id"] for r in records)):
                 refused = f"{key} holds id {record['id']!r}, which is committed already"
             if refused or record is None:
@@ -364,8 +372,8 @@ def _scan_items(path: Path, start: int, limit: int, taken: Callable[[str], bool]
     return records, end, refused
 
 
-def _item_record(key: str, meta_bytes: bytes, wav: bytes, admit: Optional[Admit]) -> tuple[Optional[dict],
-                                                                                          Optional[str]]:
+def _item_record(key: str, meta_bytes: bytes, ext: str, audio: bytes,
+                 admit: Optional[Admit]) -> tuple[Optional[dict], Optional[str]]:
     """(a journal item record from an item's KEY.json, None) or (None, why it is not one of ours)."""
     try:
         meta = json.loads(meta_bytes)
@@ -375,12 +383,18 @@ def _item_record(key: str, meta_bytes: bytes, wav: bytes, admit: Optional[Admit]
         for name in ("instruct", "speaker", "prompt", "language", "source", "wav_sha256"):
             if isinstance(meta.get(name), str):
                 record[name] = meta[name]
+        if meta.get("format", DEFAULT_FORMAT) != DEFAULT_FORMAT:
+            record["format"] = meta["format"]
+        if isinstance((meta.get("loudness") or {}).get("lufs"), (int, float)):
+            record["loudness_lufs"] = float(meta["loudness"]["lufs"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None, f"{key}.json is not a cosybatch item's"
-    if not isinstance(record["id"], str) or item_key(record["id"]) != key or len(wav) < 44 + 2 * record["num_samples"]:
+    whole = len(audio) >= 44 + 2 * record["num_samples"] if ext == "wav" else len(audio) > 0
+    if not isinstance(record["id"], str) or item_key(record["id"]) != key or not whole \
+            or ext != meta.get("format", DEFAULT_FORMAT):
         return None, f"{key} is not a whole cosybatch item"
-    if "wav_sha256" in record and wav_checksum(wav) != record["wav_sha256"]:
-        return None, f"{key}.wav does not match its wav_sha256: the audio changed after it was written"
+    if "wav_sha256" in record and audio_checksum(audio) != record["wav_sha256"]:
+        return None, f"{key}.{ext} does not match its wav_sha256: the audio changed after it was written"
     if admit is not None and (why := admit(meta)):
         return None, f"{key} (id {record['id']!r}) is not this job's: {why}"
     return record, None

@@ -1,8 +1,9 @@
 """`cosybatch verify OUT`: read every shard whole and check it against the manifest.
 
-Every id in the manifest must be in exactly one readable `KEY.wav` + `KEY.json` pair, in the shard
-the manifest names, with a WAV that decodes to the manifest's sample count and rate and a
-`KEY.json` naming the same id; every item in a shard must be in the manifest. `run` does the cheap
+Every id in the manifest must be in exactly one readable pair of an audio member (`KEY.wav`, or
+`KEY.flac`, `KEY.opus`, `KEY.mp3`: store/audio.py) and `KEY.json`, in the shard the manifest
+names, with audio of the format both record that decodes to the manifest's sample count and rate
+and a `KEY.json` naming the same id; every item in a shard must be in the manifest. `run` does the cheap
 part of this (file sizes and counts, `repair.check_sizes`) before it reports complete; this reads
 every byte, so it also finds damage that keeps a file's size in what it parses (tar headers, WAV
 headers, KEY.json) and, through each item's `wav_sha256` (in the manifest and KEY.json), a
@@ -18,9 +19,10 @@ import tarfile
 from pathlib import Path
 
 from ..errors import UsageError
+from .audio import AUDIO_EXTS, DEFAULT_FORMAT, audio_of
+from .audio import checksum as audio_checksum
 from .checkpoint import MANIFEST_FILE
 from .distributed import job_folders
-from .shards import wav_checksum
 
 
 def verify(root: Path) -> dict:
@@ -101,12 +103,12 @@ def _check_shard(path: Path, expected: dict):
                     continue
                 names.add(member.name)
                 key, _, ext = member.name.partition(".")
-                if not member.isfile() or ext not in ("wav", "json"):
+                if not member.isfile() or (ext != "json" and ext not in AUDIO_EXTS):
                     yield key, f"unexpected member {member.name!r}"
                     continue
                 pending.setdefault(key, {})[ext] = tar.extractfile(member).read()
                 entry = pending[key]
-                if "wav" not in entry or "json" not in entry:
+                if "json" not in entry or not any(e in AUDIO_EXTS for e in entry):
                     continue
                 del pending[key]
                 yield key, _check_item(path.name, key, entry, expected, soundfile)
@@ -137,17 +139,24 @@ def _check_item(shard: str, key: str, entry: dict, expected: dict, soundfile) ->
         return f"{key}.json is not an object"
     if meta.get("id") != row["id"]:
         return f"{key}.json names id {meta.get('id')!r}; the manifest says {row['id']!r}"
+    try:
+        ext, data = audio_of(entry)
+    except ValueError as exc:
+        return f"{key}: {exc}"
+    if ext != meta.get("format", DEFAULT_FORMAT) or ext != (row.get("format") or DEFAULT_FORMAT):
+        return (f"{key}.{ext}: KEY.json says format {meta.get('format', DEFAULT_FORMAT)!r}, the manifest "
+                f"{row.get('format') or DEFAULT_FORMAT!r}")
     checksum = row.get("wav_sha256")
     if meta.get("wav_sha256") != checksum:
         return f"{key}.json says wav_sha256 {meta.get('wav_sha256')!r}; the manifest says {checksum!r}"
-    if checksum is not None and wav_checksum(entry["wav"]) != checksum:
-        return f"{key}.wav does not match its wav_sha256: its audio changed after it was written"
+    if checksum is not None and audio_checksum(data) != checksum:
+        return f"{key}.{ext} does not match its wav_sha256: its audio changed after it was written"
     try:
-        info = soundfile.info(io.BytesIO(entry["wav"]))
+        info = soundfile.info(io.BytesIO(data))
     except Exception as exc:  # soundfile raises its own error types for undecodable audio
-        return f"{key}.wav does not decode ({exc})"
+        return f"{key}.{ext} does not decode ({exc})"
     if info.frames != row["num_samples"] or info.samplerate != row["sample_rate"]:
-        return (f"{key}.wav has {info.frames} samples at {info.samplerate} Hz; the manifest says "
+        return (f"{key}.{ext} has {info.frames} samples at {info.samplerate} Hz; the manifest says "
                 f"{row['num_samples']} at {row['sample_rate']} Hz")
     duration = meta.get("duration")
     if not isinstance(duration, (int, float)) or abs(duration - row["duration_s"]) > 1e-6:
