@@ -103,8 +103,8 @@ def expected_items(folder: Path) -> Optional[dict[str, dict[str, dict]]]:
 
 class _ShardCheck:
     """What `run` checks before it keeps a member, for a reader of one shard: each member is the
-    audio member (KEY.wav, KEY.flac, ...) or KEY.json of an item the journal put in this shard (the key is the journal's, and
-    so never a path), its KEY.json names the journal's id, its audio matches the recorded
+    audio member (KEY.wav, KEY.flac, ...) or KEY.json of an item the journal put in this shard
+    (the key is the journal's, and so never a path), its KEY.json names the journal's id, its audio matches the recorded
     wav_sha256, and every item the journal put there is found, once."""
 
     def __init__(self, path: Path, expected: Expected):

@@ -1,7 +1,8 @@
 """The item format: what one finished clip becomes in a shard. Its key, its tar members (its audio,
-KEY.wav or another format's KEY.EXT (store/audio.py), and KEY.json) and its manifest record, the source hash that ties it to its corpus row, and the
-quality gate's manifest columns. The store writes and reads items in this format; the run makes
-them; nothing here runs an engine or a quality check."""
+KEY.wav or another format's KEY.EXT (store/audio.py), and KEY.json) and its manifest record, the
+source hash that ties it to its corpus row, and the quality gate's manifest columns. The store
+writes and reads items in this format; the run makes them; nothing here runs an engine or a
+quality check."""
 
 from __future__ import annotations
 
