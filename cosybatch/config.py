@@ -226,8 +226,8 @@ class BatchingConfig:
 
 
 EXPORT_FORMATS = ("hf", "nemo", "lhotse")
-AUDIO_FORMATS = ("wav", "flac", "opus", "mp3")  # cosybatch.store.audio.FORMATS
-AUDIO_BITRATES = {"opus": (6, 256, 32), "mp3": (8, 320, 64)}  # kbit/s: lowest, highest, default
+AUDIO_FORMATS = ("wav", "flac", "opus")  # cosybatch.store.audio.FORMATS
+AUDIO_BITRATES = {"opus": 32}  # the lossy formats' default kbit/s
 
 
 @dataclass(frozen=True)
@@ -243,10 +243,9 @@ class OutputConfig:
     normalize: bool = True
     """Scale each clip to a full-scale peak (unless --loudness sets its loudness instead)."""
     audio_format: str = "wav"
-    """The clips' format in the shards: wav (16-bit PCM), flac (16-bit, lossless), opus or mp3 (lossy, at --bitrate)."""
-    bitrate: Optional[float] = bounded(None, 6, 320)
-    """kbit/s of the lossy formats (opus 6 to 256, default 32; mp3 8 to 320, default 64; the MP3 encoder takes
-    the nearest bitrate it has)."""
+    """The clips' format in the shards: wav (16-bit PCM), flac (16-bit, lossless) or opus (lossy, at --bitrate)."""
+    bitrate: Optional[float] = bounded(None, 6, 256)
+    """kbit/s of Opus (6 to 256, default 32; a variable bitrate: each clip's own varies around it)."""
     sample_rate: Optional[int] = bounded(None, 8000, 192000, integer=True)
     """Resample every clip to this rate, Hz (8000 to 192000; unset: the engine's). Opus holds only 8, 12, 16, 24
     and 48 kHz: another rate is raised to the next of these."""
@@ -288,12 +287,8 @@ class OutputConfig:
                              f"the index must be in 0..{self.shard_count - 1}")
         if self.audio_format not in AUDIO_FORMATS:
             raise UsageError(f"--audio-format must be one of {', '.join(AUDIO_FORMATS)} (got {self.audio_format!r})")
-        lowest_highest = AUDIO_BITRATES.get(self.audio_format)
-        if self.bitrate is not None and lowest_highest is None:
-            raise UsageError(f"--bitrate is for the lossy formats (opus, mp3); {self.audio_format} is lossless")
-        if self.bitrate is not None and not lowest_highest[0] <= self.bitrate <= lowest_highest[1]:
-            raise UsageError(f"--bitrate for {self.audio_format} must be in [{lowest_highest[0]}, "
-                             f"{lowest_highest[1]}] kbit/s (got {self.bitrate:g})")
+        if self.bitrate is not None and self.audio_format not in AUDIO_BITRATES:
+            raise UsageError(f"--bitrate is for the lossy format (opus); {self.audio_format} is lossless")
         unknown = set(self.exports) - set(EXPORT_FORMATS)
         if unknown:
             raise UsageError(f"--export: unknown format(s) {sorted(unknown)}; choose from {', '.join(EXPORT_FORMATS)}")
@@ -306,7 +301,7 @@ class OutputConfig:
         if self.audio_format != "wav":
             found["format"] = self.audio_format
             if self.audio_format in AUDIO_BITRATES:
-                found["bitrate"] = self.bitrate or AUDIO_BITRATES[self.audio_format][2]
+                found["bitrate"] = self.bitrate or AUDIO_BITRATES[self.audio_format]
         if self.sample_rate is not None:
             found["sample_rate"] = self.sample_rate
         if self.loudness is not None:

@@ -118,7 +118,8 @@ def wait_for_items(out: Path, proc: subprocess.Popen, n: int, timeout: float = 1
 
 
 def read_output(out: Path) -> dict[str, dict]:
-    """id -> {meta, audio, sample_rate, shard}; fails if any id appears twice or a member is broken."""
+    """id -> {meta, audio, sample_rate, shard, key, data}; fails if any id appears twice, a member is
+    broken or an item has another member than its audio (of the format its KEY.json names) and KEY.json."""
     items: dict[str, dict] = {}
     for shard in sorted(out.glob("shard-*.tar")):
         with tarfile.open(shard) as tar:
@@ -126,9 +127,12 @@ def read_output(out: Path) -> dict[str, dict]:
         keys = sorted({name.split(".", 1)[0] for name in members})
         for key in keys:
             meta = json.loads(members[f"{key}.json"])
-            audio, sr = soundfile.read(io.BytesIO(members[f"{key}.wav"]), dtype="float32")
+            fmt = meta.get("format", "wav")  # the audio member is KEY.wav, KEY.flac, KEY.opus or KEY.mp3
+            assert {n for n in members if n.startswith(f"{key}.")} == {f"{key}.json", f"{key}.{fmt}"}
+            audio, sr = soundfile.read(io.BytesIO(members[f"{key}.{fmt}"]), dtype="float32")
             assert meta["id"] not in items, f"id {meta['id']!r} written twice"
-            items[meta["id"]] = {"meta": meta, "audio": audio, "sample_rate": sr, "shard": shard.name, "key": key}
+            items[meta["id"]] = {"meta": meta, "audio": audio, "sample_rate": sr, "shard": shard.name, "key": key,
+                                 "data": members[f"{key}.{fmt}"]}
     return items
 
 

@@ -8,7 +8,7 @@ it, so the gate hears what is committed:
     level      integrated loudness to --loudness LUFS (ITU-R BS.1770-4, pyloudnorm) under a
                --true-peak ceiling (4x oversampled); or, without --loudness, the peak to full scale
                (--normalize, the default)
-    encode     16-bit samples -> the member's bytes (store.audio: wav, flac, opus, mp3); a lossy
+    encode     16-bit samples -> the member's bytes (store.audio: wav, flac, opus); a lossy
                member is decoded again, and the decoded samples are the clip from then on
 """
 
@@ -52,7 +52,7 @@ def shape(audio: np.ndarray, rate: int, out: OutputConfig) -> Shaped:
     cut_s = 0.0
     if out.trim_silence_ms is not None:
         audio, (cut_s, tail_s) = trim(audio, target, out.trim_silence_ms / 1000.0)
-        record["trimmed_s"] = [round(cut_s, 4), round(tail_s, 4)]
+        record["trimmed_s"] = [round(cut_s, 6), round(tail_s, 6)]  # 6 digits: whole samples at any rate
     if out.loudness is not None:
         audio, record["loudness"] = to_loudness(audio, target, out.loudness, out.true_peak)
     elif out.normalize:
@@ -140,5 +140,5 @@ def shift_segments(segments: Optional[list], cut_s: float, duration_s: float) ->
     is `duration_s` long: moved back, and held within the clip."""
     if segments is None or (not cut_s and all(s["end"] <= duration_s for s in segments)):
         return segments
-    return [{**s, "start": round(min(duration_s, max(0.0, s["start"] - cut_s)), 6),
-             "end": round(min(duration_s, max(0.0, s["end"] - cut_s)), 6)} for s in segments]
+    return [{**s, "start": min(duration_s, max(0.0, s["start"] - cut_s)),
+             "end": min(duration_s, max(0.0, s["end"] - cut_s))} for s in segments]

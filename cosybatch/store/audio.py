@@ -4,12 +4,16 @@ the clip's 16-bit samples and decoded back, and the sample rates and bitrates ea
     wav   16-bit PCM WAV (the default)           any rate
     flac  16-bit FLAC, lossless                  any rate
     opus  Opus in Ogg, lossy, --bitrate kbit/s   8, 12, 16, 24 or 48 kHz (Opus's own rates)
-    mp3   MPEG layer III, lossy, --bitrate       8 to 48 kHz (the MPEG rates)
 
-The member is named by its format (`KEY.wav`, `KEY.flac`, `KEY.opus`, `KEY.mp3`); one item has
-exactly one. All four are written and read by the libsndfile that soundfile bundles (1.2.2 here).
-A lossy clip decodes to other samples than were encoded, and MP3 to more of them (the encoder's
-padding): the item records what its member decodes to, and the quality gate judges that.
+The member is named by its format (`KEY.wav`, `KEY.flac`, `KEY.opus`); one item has exactly one.
+All three are written and read by the libsndfile that soundfile bundles (1.2.2 here). A lossy clip
+decodes to other samples than were encoded: the item records what its member decodes to, and the
+quality gate judges that.
+
+MP3 is not offered although that libsndfile writes it: its MP3 length is not the clip's. Measured
+here on 62,499 samples at 22,050 Hz: at 64 and 96 kbit/s the member decodes to 62,499 samples,
+at 32 and 48 kbit/s to 63,936 while its header says 64,235, so a manifest's sample count would
+hold for one decoder and not another. Opus is the smaller lossy format for speech anyway.
 """
 
 from __future__ import annotations
@@ -38,18 +42,13 @@ FORMATS: dict[str, AudioFormat] = {
     "flac": AudioFormat("flac", "FLAC", "PCM_16", "audio/flac"),
     "opus": AudioFormat("opus", "OGG", "OPUS", "audio/ogg", lossy=True, rates=(8000, 12000, 16000, 24000, 48000),
                         bitrates=(32, 6, 256)),
-    "mp3": AudioFormat("mp3", "MP3", "MPEG_LAYER_III", "audio/mpeg", lossy=True,
-                       rates=(8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000), bitrates=(64, 8, 320)),
 }
 AUDIO_EXTS = frozenset(FORMATS)
 DEFAULT_FORMAT = "wav"
 
-# libsndfile sets a lossy encoder's bitrate through its compression level (0 = best, 1 = smallest).
-# Opus: level = (256 - kbit/s) / 250, so 6-256 kbit/s (libsndfile's ogg_opus.c; variable bitrate,
-# so a clip's own rate varies around it). MP3: constant bitrate, level spread linearly over the
-# MPEG version's bitrates, which depend on the sample rate (MPEG-1 from 32 kHz, MPEG-2 16-24 kHz,
-# MPEG-2.5 below); the encoder takes the nearest bitrate it has.
-MP3_BITRATES = ((32000, 32, 320), (16000, 8, 160), (0, 8, 64))  # (from rate, lowest, highest kbit/s)
+# libsndfile sets Opus's bitrate through its compression level (0 = best, 1 = smallest):
+# level = (256 - kbit/s) / 250, so 6-256 kbit/s (measured: 32 asked, 31-32 kbit/s written at 16,
+# 24 and 48 kHz; it is a variable bitrate, so one clip's own rate varies around it).
 
 
 @dataclass(frozen=True)
@@ -82,18 +81,9 @@ def coded_rate(fmt: str, rate: int) -> int:
     return above[0] if above else rates[-1]
 
 
-def mp3_range(rate: int) -> tuple[int, int]:
-    """The MP3 bitrates (kbit/s) at `rate` Hz: MPEG-1, -2 or -2.5's lowest and highest."""
-    return next((low, high) for start, low, high in MP3_BITRATES if rate >= start)
-
-
-def compression_level(fmt: str, rate: int, kbps: float) -> float:
-    """libsndfile's compression level for `kbps` kbit/s (see MP3_BITRATES above)."""
-    if fmt == "opus":
-        return min(1.0, max(0.0, (256.0 - kbps) / 250.0))
-    low, high = mp3_range(rate)
-    # 1.0 itself is refused by libsndfile's MP3 encoder: the lowest bitrate is reached just below it.
-    return min(0.999, max(0.0, (high - kbps) / (high - low)))
+def compression_level(kbps: float) -> float:
+    """libsndfile's Opus compression level for `kbps` kbit/s."""
+    return min(1.0, max(0.0, (256.0 - kbps) / 250.0))
 
 
 def encode(pcm: np.ndarray, rate: int, fmt: str = DEFAULT_FORMAT, bitrate: Optional[float] = None) -> bytes:
@@ -108,9 +98,7 @@ def encode(pcm: np.ndarray, rate: int, fmt: str = DEFAULT_FORMAT, bitrate: Optio
         raise TypeError(f"encode takes int16 samples, got {pcm.dtype}")
     options = {}
     if f.lossy:
-        options["compression_level"] = compression_level(fmt, rate, bitrate or f.bitrates[0])
-        if fmt == "mp3":
-            options["bitrate_mode"] = "CONSTANT"
+        options["compression_level"] = compression_level(bitrate or f.bitrates[0])
     import soundfile
 
     buf = io.BytesIO()
@@ -140,8 +128,6 @@ def mime_type(data: bytes) -> str:
         return FORMATS["flac"].mime
     if data[:4] == b"OggS":
         return FORMATS["opus"].mime
-    if data[:3] == b"ID3" or data[:2] in (b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"\xff\xe3", b"\xff\xe2"):
-        return FORMATS["mp3"].mime
     return FORMATS["wav"].mime
 
 

@@ -1,7 +1,7 @@
 """`cosybatch verify OUT`: read every shard whole and check it against the manifest.
 
 Every id in the manifest must be in exactly one readable pair of an audio member (`KEY.wav`, or
-`KEY.flac`, `KEY.opus`, `KEY.mp3`: store/audio.py) and `KEY.json`, in the shard the manifest
+`KEY.flac`, `KEY.opus`: store/audio.py) and `KEY.json`, in the shard the manifest
 names, with audio of the format both record that decodes to the manifest's sample count and rate
 and a `KEY.json` naming the same id; every item in a shard must be in the manifest. `run` does the cheap
 part of this (file sizes and counts, `repair.check_sizes`) before it reports complete; this reads
