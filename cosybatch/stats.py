@@ -36,8 +36,9 @@ class Stats:
     real_frames: int = 0
     padded_frames: int = 0
     oom_retries: int = 0  # batches split in halves after running out of (GPU) memory
-    stage_s: dict = field(default_factory=lambda: dict.fromkeys(("load", "read", "prepare", "infer", "qc", "write"),
-                                                                0.0))
+    # shape: the clips' last stage (run/shaping.py: rate, trimmed ends, level, encoding)
+    stage_s: dict = field(default_factory=lambda: dict.fromkeys(
+        ("load", "read", "prepare", "infer", "shape", "qc", "write"), 0.0))
     qc: Optional[dict] = None  # the quality gate's summary (cosybatch.qc.gate.QCCounts.summary)
     previous_items_done: int = 0
     previous_items_failed: int = 0

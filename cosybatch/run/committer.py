@@ -96,7 +96,8 @@ class Committer:
             self.close_shard()
         self.report(Committed(items=len(items), audio_s=sum(i["duration_s"] for i in items),
                               failed=len(done.failures), batches=[o.work() for o in done.batches], qc=done.qc,
-                              qc_s=done.qc_s, write_s=time.monotonic() - t - done.qc_s))
+                              qc_s=done.qc_s, shape_s=done.shape_s,
+                              write_s=time.monotonic() - t - done.qc_s - done.shape_s))
 
     def close_shard(self) -> None:
         index, items = self.shard.index, self.shard.items

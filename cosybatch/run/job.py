@@ -161,6 +161,7 @@ class Job:
         stats.audio_s += done.audio_s
         stats.items_failed += done.failed
         stats.stage_s["qc"] += done.qc_s
+        stats.stage_s["shape"] += done.shape_s
         stats.stage_s["write"] += done.write_s
         if done.qc is not None:
             self.qc_counts.merge(done.qc.raw())

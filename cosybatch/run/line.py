@@ -132,6 +132,7 @@ class Finished:
     batches: list[Outcome] = field(default_factory=list)  # every batch the engine ran, retakes included
     qc: Optional[QCCounts] = None
     qc_s: float = 0.0
+    shape_s: float = 0.0  # in the clip's last stage (run/shaping.py), retakes included
 
 
 class RowLine:
@@ -143,6 +144,7 @@ class RowLine:
         self.policy = policy
         self.gate = gate
         self.assembler = RowAssembler()
+        self.shape_s = 0.0  # since the last `finish` returned
 
     # -- admission and planning ----------------------------------------------------------------
     def prepare(self, row: Row, assembler: Optional[RowAssembler] = None, attempt: int = 0,
@@ -231,6 +233,7 @@ class RowLine:
         done.qc = self.gate.take_counts()
         done.qc_s = self.gate.seconds
         self.gate.seconds = 0.0
+        done.shape_s, self.shape_s = self.shape_s, 0.0
         return done
 
     def make(self, rows: list[Row]) -> Finished:
@@ -249,6 +252,7 @@ class RowLine:
             done.failures += part.failures
             done.batches += part.batches
             done.qc_s += part.qc_s
+            done.shape_s += part.shape_s
             done.qc = part.qc if done.qc is None else _merged(done.qc, part.qc)
         return done
 
@@ -289,7 +293,9 @@ class RowLine:
             clip.error, clip.dead = str(exc), True
             return clip
         # The gate judges the samples as committed: what `cosybatch qc` and every reader decode.
+        t = time.monotonic()
         p.shaped = shape(joined, engine.sample_rate, self.cfg.output)
+        self.shape_s += time.monotonic() - t
         clip.audio, clip.sample_rate = p.shaped.audio, p.shaped.rate
         return clip
 

@@ -129,7 +129,7 @@ class SynthWorker:
         return {"items": items, "failures": done.failures,
                 "committed": Committed(items=len(items), audio_s=sum(i["duration_s"] for i in items),
                                        failed=len(done.failures), batches=[o.work() for o in done.batches],
-                                       qc=done.qc, qc_s=done.qc_s)}
+                                       qc=done.qc, qc_s=done.qc_s, shape_s=done.shape_s)}
 
 
 def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:

@@ -52,6 +52,7 @@ class Committed:
     batches: list[BatchWork] = field(default_factory=list)  # every batch the engine ran for it
     qc: Optional[QCCounts] = None  # what the quality gate saw
     qc_s: float = 0.0
+    shape_s: float = 0.0  # the clips' last stage: rate, ends, level, encoding
     write_s: float = 0.0
 
 

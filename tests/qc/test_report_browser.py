@@ -1,5 +1,6 @@
 """The audit page in a real browser: headless Chromium from the system packages loads report.html
-from disk, runs its script and plays (loads the metadata of) every embedded clip; the DOM it dumps
+from disk, runs its script and plays (loads the metadata of) every embedded clip, WAV, FLAC and
+Opus (data: URIs of their own types); the DOM it dumps
 is read back. Skipped, saying how to install it, only where no chromium binary exists."""
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from report_page import HOSTILE_ID, Page, make_rows
 
 from cosybatch.qc import report
 from cosybatch.qc.report import write_report
+from cosybatch.run.shaping import resample
+from cosybatch.store.audio import coded_rate, decode, encode
+from cosybatch.store.shards import as_committed, committed_pcm
 
 # --headless is the new headless mode in Chromium >= 132 (the old one was split off); as root the
 # sandbox cannot start, hence --no-sandbox. --virtual-time-budget lets the page's pending work (the
@@ -46,6 +50,14 @@ def test_the_page_renders_and_every_clip_loads_in_chromium(tmp_path):
     for i, r in enumerate(rows[::2]):
         r.update(qc_cer=None, qc_support=i / 3, words=json.dumps([[HOSTILE_ID, 0.0, 0.2, 0.05], ["ok", 0.2, 0.4, 0.9]]))
     durations = {r["id"]: r["duration_s"] for r in rows}
+    # A third of the clips FLAC and a third Opus (--audio-format): the page embeds each with its own type.
+    formats = {}
+    for i, r in enumerate(rows):
+        formats[r["id"]] = ("wav", "flac", "opus")[i % 3]
+        if formats[r["id"]] != "wav":
+            audio, rate = decode(wavs[r["id"]])
+            target = coded_rate(formats[r["id"]], rate)
+            wavs[r["id"]] = encode(committed_pcm(as_committed(resample(audio, rate, target))), target, formats[r["id"]])
     summary = {"rows": 60, "hours": round(sum(durations.values()) / 3600, 4), "qc": {"mode": "asr"}}
     path = tmp_path / "report.html"
     write_report(path, rows, summary, wavs.__getitem__, throughput=[(t, 6.0 * t) for t in range(30)])
@@ -75,9 +87,10 @@ def test_the_page_renders_and_every_clip_loads_in_chromium(tmp_path):
     assert len(words) == 2 * len(heard) and [w.text for w in words if "low" in w.attrs["class"]] == (
         [HOSTILE_ID] * len(heard))
 
-    # The script ran and every clip loaded, with the duration the WAV has.
+    # The script ran and every clip loaded, with the duration the WAV has, FLAC and Opus clips too.
     players = page.find("audio")
     assert len(players) == 40
+    assert {formats[a.attrs["data-id"]] for a in players} == {"wav", "flac", "opus"}
     for a in players:
         assert a.attrs.get("data-loaded") == "1" and "data-error" not in a.attrs, a.attrs.get("data-id")
         assert abs(float(a.attrs["data-duration"]) - durations[a.attrs["data-id"]]) < 0.05

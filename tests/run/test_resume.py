@@ -9,7 +9,15 @@ import signal
 import time
 
 import pytest
-from helpers import committed_items, corpus_rows, read_output, start_run, wait_for_items, write_parquet
+from helpers import (
+    assert_exactly_once,
+    committed_items,
+    corpus_rows,
+    read_output,
+    start_run,
+    wait_for_items,
+    write_parquet,
+)
 
 from cosybatch.config import RunConfig
 from cosybatch.errors import ResumeMismatchError
@@ -18,10 +26,12 @@ from cosybatch.run.local import run
 
 @pytest.mark.slow
 def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
+    """A FLAC job at 16 kHz (the kill -9 tests of test_interruptions.py run WAV jobs): the partial
+    shard's FLAC members are cut back and kept as WAV members are."""
     rows = corpus_rows(30)
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
-    proc = start_run(corpus, out)
+    proc = start_run(corpus, out, "--audio-format", "flac", "--sample-rate", "16000")
     wait_for_items(out, proc, 9)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -29,14 +39,15 @@ def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
     assert before < len(rows)
     assert list(out.glob("shard-*.tar.partial")) or list(out.glob("shard-*.tar"))
 
-    result = run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, progress="none"))
+    result = run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, audio_format="flac",
+                                        sample_rate=16000, progress="none"))
     assert result.status == "complete"
     # Committed work was not redone: this run did only what the killed one had not committed.
     assert result.stats["items_done"] == len(rows) - before
-    items = read_output(out)
-    assert sorted(items) == sorted(r["id"] for r in rows)
+    items = assert_exactly_once(out, [r["id"] for r in rows])
     assert not list(out.glob("*.partial"))
     for item in items.values():
+        assert item["meta"]["format"] == "flac" and item["sample_rate"] == 16000
         assert len(item["audio"]) == item["meta"]["num_samples"] > 0
 
 
