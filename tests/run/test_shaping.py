@@ -159,3 +159,16 @@ def test_a_resume_with_other_audio_settings_is_refused(tmp_path):
 def test_settings_out_of_range_are_refused_naming_the_option(options, message):
     with pytest.raises(UsageError, match=message):
         RunConfig.from_options(corpus="c.jsonl", out="out", **options)
+
+
+def test_a_job_spec_sets_them_as_the_command_line_does(tmp_path):
+    from cosybatch.jobspec import config_from_spec
+
+    spec = tmp_path / "job.toml"
+    spec.write_text('corpus = "c.jsonl"\nout = "out"\naudio_format = "opus"\nbitrate = 24\nsample_rate = 16000\n'
+                    'loudness = -20\ntrue_peak = -2\ntrim_silence = 150\n')
+    cfg = config_from_spec(spec)
+    assert cfg.output.audio_settings() == {"format": "opus", "bitrate": 24, "sample_rate": 16000, "loudness": -20,
+                                           "true_peak": -2, "trim_silence_ms": 150}
+    assert cfg == RunConfig.from_options(corpus="c.jsonl", out="out", audio_format="opus",
+                                         bitrate=24, sample_rate=16000, loudness=-20, true_peak=-2, trim_silence=150)
