@@ -19,9 +19,12 @@ unless its row asks for the native allocator. The rows of the plan, in order:
                 captures (warm-up captures every graph the segments reach, untimed), peak memory
   upstream      upstream's per-utterance loop on --upstream-items segments (skipped, with the
                 reason, where its packages are missing, as on the GPU image)
-  asr           batched Whisper tiny.en-sized encoder + greedy decode on the GPU, transformers'
-                WhisperForConditionalGeneration with RANDOM weights (the cost shape only): log-mel
-                of 30 s windows, 3 tokens per audio second; seconds per audio second per batch size
+  asr           Whisper tiny.en-sized on the GPU, transformers' WhisperForConditionalGeneration
+                with RANDOM weights (the cost shape only), two ways per batch size, seconds per
+                audio second: "batches", free decoding (log-mel of 30 s windows, greedy decode of
+                3 tokens per audio second: the transcription `--qc asr` falls back to) and
+                "scoring", what `--qc asr` does for every clip now (the encoder at the clip's own
+                length, the text teacher-forced in one pass against the audio and a silent window)
 
 The plan runs in order until the deadline (--budget seconds, model writing included); rows not
 reached, or not possible here, are listed under "skipped" with the reason. Segments are drawn as in
@@ -37,6 +40,7 @@ The last stdout line is every figure as one JSON object (errors cut short; the f
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -218,21 +222,68 @@ def asr_worker(device: str, tiny: bool, clips: int) -> dict:
         ids.cpu()  # the transcript's ids to the host (a sync, as a real run has)
         return b * steps
 
+    encoder = model.model.encoder
+    takes = inspect.signature(encoder.layers[0].forward).parameters
+
+    def encode(features):
+        """The encoder at the features' own length (as CTranslate2 runs it for `--qc asr`): the
+        convolutions, the first n positions' embeddings, the layers. transformers' own forward
+        insists on 3000 frames, so its steps are taken here one by one."""
+        x = torch.nn.functional.gelu(encoder.conv1(features))
+        x = torch.nn.functional.gelu(encoder.conv2(x)).transpose(1, 2)
+        x = x + encoder.embed_positions.weight[: x.shape[1]]
+        extra = {name: None for name in ("attention_mask", "layer_head_mask") if name in takes}
+        for layer in encoder.layers:
+            out = layer(x, **extra)
+            x = out[0] if isinstance(out, tuple) else out
+        return encoder.layer_norm(x)
+
+    silent_cache: dict[int, object] = {}
+
+    def token_logprobs(ids, encoded):
+        hidden = model.model.decoder(input_ids=ids, encoder_hidden_states=encoded).last_hidden_state
+        logp = torch.log_softmax(model.proj_out(hidden[:, :-1]).float(), dim=-1)
+        return logp.gather(-1, ids[:, 1:, None])[..., 0]
+
+    @torch.inference_mode()
+    def score(batch_seconds: list[float]) -> int:
+        """`--qc asr`'s scoring of a batch of clips of like length (sorted, so the batch's longest
+        sets its window): each padded to a multiple of 0.5 s (0.5 s at least), the encoder at that
+        length, the clip's text (prefix + 3 tokens per audio second) teacher-forced through the
+        decoder in one pass, and again against a silent window of the same length (encoded once
+        per length, then kept): no decoding loop."""
+        b = len(batch_seconds)
+        padded = max(0.5, math.ceil(max(batch_seconds) / 0.5) * 0.5)
+        wave = torch.zeros(b, int(padded * sr), device=device)
+        for i, s in enumerate(batch_seconds):
+            wave[i, : int(s * sr)] = torch.randn(int(s * sr), device=device) * 0.1
+        encoded = encode(log_mel(wave))
+        if padded not in silent_cache:
+            silent_cache[padded] = encode(log_mel(torch.zeros(1, int(padded * sr), device=device)))
+        tokens = prefix + math.ceil(3 * max(batch_seconds))
+        ids = torch.randint(0, 50000, (b, tokens), device=device)
+        gain = token_logprobs(ids, encoded) - token_logprobs(ids, silent_cache[padded].expand(b, -1, -1))
+        gain.sum(dim=1).cpu()  # the scores to the host (a sync, as a real run has)
+        return b * tokens
+
     shape = "a shrunken config (dry run)" if tiny else "tiny.en-sized config"
     result: dict = {"weights": f"RANDOM weights, {shape}: the cost shape only, no transcripts",
                     "parameters": params, "dtype": str(dtype).replace("torch.", ""), "clips": clips,
-                    "audio_s": round(sum(seconds), 1), "tokens_per_audio_s": 3, "batches": {}}
-    for size in ((2,) if tiny else (16, 64)):
-        transcribe(seconds[:size])  # warm-up (kernels, cuBLAS handles), untimed
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        tokens = sum(transcribe(seconds[i : i + size]) for i in range(0, len(seconds), size))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-        result["batches"][str(size)] = {"wall_s": round(wall, 3), "s_per_audio_s": round(wall / sum(seconds), 5),
-                                        "decode_tokens_per_s": round(tokens / wall, 1)}
+                    "audio_s": round(sum(seconds), 1), "tokens_per_audio_s": 3, "batches": {}, "scoring": {}}
+    for way, run, into in (("transcribe", transcribe, result["batches"]), ("score", score, result["scoring"])):
+        for size in ((2,) if tiny else (16, 64)):
+            run(seconds[:size])  # warm-up (kernels, cuBLAS handles), untimed
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            tokens = sum(run(seconds[i : i + size]) for i in range(0, len(seconds), size))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            into[str(size)] = {"wall_s": round(wall, 3), "s_per_audio_s": round(wall / sum(seconds), 5),
+                               f"{'decode' if way == 'transcribe' else 'scored'}_tokens_per_s": round(tokens / wall, 1)}
+    for size, scored in result["scoring"].items():
+        scored["vs_transcribe"] = round(scored["wall_s"] / result["batches"][size]["wall_s"], 4)
     if device == "cuda":
         result["peak_bytes"] = int(torch.cuda.max_memory_allocated())
     return result
@@ -338,7 +389,9 @@ def line_for(row: dict) -> str:
         return f"{name}: ERROR {short(row)['error']}"
     if row["kind"] == "asr":
         per = " ".join(f"B{b}={v['s_per_audio_s']}s/audio-s" for b, v in row.get("batches", {}).items())
-        return f"asr ({row.get('weights', '')[:40]}): {per}"
+        scored = " ".join(f"B{b}={v['s_per_audio_s']}s/audio-s ({v['vs_transcribe']}x)"
+                          for b, v in row.get("scoring", {}).items())
+        return f"asr ({row.get('weights', '')[:40]}): transcribe {per}; score {scored}"
     if row["kind"] == "upstream":
         return f"upstream: rtf={row.get('rtf')} wall={row.get('wall', 0):.1f}s"
     gib = (row.get("peak_bytes") or 0) / 2**30

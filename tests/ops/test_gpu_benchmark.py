@@ -135,7 +135,7 @@ def test_the_dry_run_passes_from_a_plain_checkout_on_the_image(tmp_path):
         pool = row["timed_lm_pool"]
         assert pool["steps"] > 0 and pool["eager_steps"] == pool["steps"] and pool["graph_replays"] == 0
         assert row["rtf"] > 0 and row["cosybatch"].startswith(str(ROOT / "cosybatch"))
-    assert runs["asr"]["weights"].startswith("RANDOM") and runs["asr"]["batches"]
+    assert runs["asr"]["weights"].startswith("RANDOM") and runs["asr"]["batches"] and runs["asr"]["scoring"]
     skipped = {s["row"]: s["reason"] for s in result["skipped"]}
     assert "upstream" in skipped and "packages are missing" in skipped["upstream"]  # blocked here
     assert any("TensorRT" in reason for reason in skipped.values())
