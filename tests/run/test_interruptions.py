@@ -58,7 +58,7 @@ def test_kill_9_at_random_moments(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signals_end_cleanly_with_exit_4(tmp_path, sig):
-    rows = corpus_rows(30)
+    rows = corpus_rows(12)  # after 2 commits, when the signal comes, seconds of work are left
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
     proc = start_run(corpus, out)

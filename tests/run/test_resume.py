@@ -28,7 +28,7 @@ from cosybatch.run.local import run
 def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
     """A FLAC job at 16 kHz (the kill -9 tests of test_interruptions.py run WAV jobs): the partial
     shard's FLAC members are cut back and kept as WAV members are."""
-    rows = corpus_rows(30)
+    rows = corpus_rows(16)  # after 9 commits, when the kill comes, seconds of work are left
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
     proc = start_run(corpus, out, "--audio-format", "flac", "--sample-rate", "16000")
@@ -53,7 +53,7 @@ def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resumes(tmp_path):
-    rows = corpus_rows(30)
+    rows = corpus_rows(12)  # after 3 commits, when the signal comes, seconds of work are left
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
     proc = start_run(corpus, out)
