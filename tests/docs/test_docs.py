@@ -27,8 +27,8 @@ Rules, one page at a time:
   `pip config` are checked instead: a local path must exist (and its extras must be defined in
   its pyproject.toml), a `name==version` must be pinned in pyproject.toml or .ci/run, a bare name
   must be a dependency pyproject.toml declares, a file given to `pip config` must exist.
-- The test suite's own commands (`python -m pytest ...`, `ruff check ...`, `lint-imports`, `bash .ci/run`) are
-  checked to be what .ci/run runs, not run (this test is part of that suite).
+- The test suite's own commands (`python -m pytest ...`, `ruff check ...`, `lint-imports`, `bash .ci/test`,
+  `bash .ci/run`) are checked to be what .ci/run runs, not run (this test is part of that suite).
 - Other blocks (output samples, trees, specs) must use a language from DATA_LANGUAGES; a block
   with no language or another one fails test_every_block_is_run_or_declared_data, so nothing is
   skipped silently.
@@ -79,7 +79,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 CI_RUN = (ROOT / ".ci" / "run").read_text()
 INSTALL_PREFIXES = ("python3 -m venv ", "python -m venv ", ". .venv/bin/activate", "source .venv/bin/activate",
                     "pip ", "python -m pip ")
-SUITE_PREFIXES = ("python -m pytest", "ruff check", "lint-imports", "bash .ci/run")
+SUITE_PREFIXES = ("python -m pytest", "ruff check", "lint-imports", "bash .ci/test", "bash .ci/run")
 
 
 def declared_requirements() -> list[str]:
@@ -357,6 +357,17 @@ def test_relative_links_resolve(page):
         if not linked.exists() or missing_anchor:
             broken.append(target)
     assert not broken, f"{page_id(page)}: broken links {broken}"
+
+
+def test_the_readme_names_the_commands_of_the_suite_script():
+    """README's "Tests" runs `bash .ci/test` and says in words what it runs: the same commands."""
+    commands = [line.strip() for line in (ROOT / ".ci" / "test").read_text().splitlines()
+                if line.strip().startswith("python -m pytest")]
+    commands = [re.sub(r"\s*>.*", "", c) for c in commands]  # the redirection of the one in the background
+    assert len(commands) == 2
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for command in commands:
+        assert f"`{command}`" in readme, f"README.md does not name .ci/test's {command!r}"
 
 
 def test_readme_is_short():

@@ -22,10 +22,11 @@ from cosybatch.run.local import run  # noqa: E402
 from cosybatch.run.ray import RayOptions, SynthWorker, ray_run  # noqa: E402
 
 # Each test starts a local Ray cluster (or a ray-run driver): seconds of start-up apiece.
-# These tests run in a pytest process of their own, not under pytest-xdist (`-m ray`): one sends
+# These tests run in a pytest process of their own (`-m ray`), not under pytest-xdist: one sends
 # SIGTERM to its own process, which a pytest-xdist worker connected to a Ray cluster takes through
-# Ray's handler and dies of. Each stops only the Ray processes it started, so the other Ray runs of
-# the suite (docs/production.md's blocks, tests/ops/test_plugin.py) may run at the same time.
+# Ray's handler and dies of. .ci/test runs that process beside the pytest-xdist part: each test
+# stops only the Ray processes it started, and the other Ray runs of the suite (docs/production.md's
+# blocks, tests/ops/test_plugin.py) do the same.
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
