@@ -235,10 +235,11 @@ def _audio_member(fingerprint: dict) -> str:
     audio = fingerprint.get("audio") if isinstance(fingerprint.get("audio"), dict) else {}
     fmt = audio.get("format") if audio.get("format") in AUDIO_MEMBERS else "wav"
     what = AUDIO_MEMBERS[fmt]
-    if isinstance(audio.get("bitrate"), (int, float)):
-        what += f", {audio['bitrate']:g} kbit/s"
-    if isinstance(audio.get("sample_rate"), int):
-        what += f", {audio['sample_rate']} Hz"
+    bitrate, rate = audio.get("bitrate"), audio.get("sample_rate")  # a hand-edited job.json may hold anything
+    if isinstance(bitrate, (int, float)) and not isinstance(bitrate, bool):
+        what += f", {bitrate:g} kbit/s"
+    if isinstance(rate, int) and not isinstance(rate, bool):
+        what += f", {rate} Hz"
     return f"`KEY.{fmt}` ({what})"
 
 
