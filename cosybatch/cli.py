@@ -124,7 +124,7 @@ def _given(ctx: typer.Context, values: dict) -> dict:
 
 
 def run(ctx: typer.Context, **values) -> None:
-    """Synthesise every row of CORPUS into WAV shards under --out; rerun to resume.
+    """Synthesise every row of CORPUS into WebDataset shards of audio under --out; rerun to resume.
 
     The last line on stdout is a one-line JSON summary.
     """
@@ -262,8 +262,8 @@ def verify_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     """Read every shard whole and check it against the manifest: each id in exactly one readable
-    KEY.wav + KEY.json pair with the manifest's length. Exit 0 when all is well, 3 listing each
-    problem otherwise."""
+    pair of audio member (KEY.wav, KEY.flac, ...) and KEY.json with the manifest's length. Exit 0
+    when all is well, 3 listing each problem otherwise."""
     from .store.verify import describe, verify
 
     try:
@@ -408,9 +408,10 @@ def merge(
 @app.command("export")
 def export_cmd(
     out: Path = typer.Argument(..., help="A finished output folder (or a sharded job's root)."),
-    to: str = typer.Option(..., "--to", help="Comma-separated formats: hf, nemo, lhotse."),
-    copy: bool = typer.Option(False, "--copy", help="NeMo and Lhotse: copy the audio out as loose WAV files "
-                              "(exports/wavs) instead of pointing into the tar shards."),
+    to: str = typer.Option(..., "--to", help="Comma-separated formats: hf, nemo, lhotse, shar (Lhotse Shar)."),
+    copy: bool = typer.Option(False, "--copy", help="NeMo and Lhotse: copy the audio out as loose files "
+                              "(exports/wavs/KEY.wav, KEY.flac, ...: the shards' format) instead of pointing "
+                              "into the tar shards."),
 ) -> None:
     """Write the dataset in other formats under OUT/exports/, and its card OUT/README.md."""
     from .store.card import write_card

@@ -225,7 +225,7 @@ class BatchingConfig:
         _check_bounds(self)
 
 
-EXPORT_FORMATS = ("hf", "nemo", "lhotse")
+EXPORT_FORMATS = ("hf", "nemo", "lhotse", "shar")  # cosybatch.store.exports.FORMATS
 AUDIO_FORMATS = ("wav", "flac", "opus")  # cosybatch.store.audio.FORMATS
 AUDIO_BITRATES = {"opus": 32}  # the lossy formats' default kbit/s
 
@@ -262,9 +262,10 @@ class OutputConfig:
     shard_max_bytes: int = bounded(256 * MiB, 1, 2**40, integer=True)
     """Close a shard once it reaches this many bytes (1 to 2^40, 1 TiB; --shard-max-mb gives it in MiB)."""
     exports: tuple = ()
-    """Dataset formats to write at the end besides WebDataset: hf, nemo, lhotse."""
+    """Dataset formats to write at the end besides WebDataset: hf, nemo, lhotse, shar (Lhotse Shar)."""
     export_copy: bool = False
-    """The NeMo and Lhotse exports copy the audio out as loose WAV files instead of pointing into the shards."""
+    """The NeMo and Lhotse exports copy the audio out as loose files (exports/wavs/KEY.wav, KEY.flac, ... by
+    --audio-format) instead of pointing into the shards."""
     restart: bool = False
     """Delete the output folder's earlier cosybatch output and start over."""
     allow_corpus_change: bool = False
@@ -631,7 +632,7 @@ def run_options() -> dict[str, RunOption]:
         "max_runtime": RunOption(Optional[str], None, docs["max_runtime"] + " Accepts 90, 90s, 30m, 2h.", "ops"),
         "shard_max_mb": RunOption(float, 256.0, "Close a shard once it reaches this many MiB.", "output"),
         "export": RunOption(Optional[str], None, "Comma-separated dataset formats to write at the end: hf, nemo, "
-                            "lhotse.", "output"),
+                            "lhotse, shar (Lhotse Shar).", "output"),
         "voice_pool": RunOption(Optional[str], None, docs["voice_pool"] + " A job spec may give a list (of strings "
                                 "or tables {voice, speaker, prompt_wav, prompt_text, weight}).", "engine"),
         "voice_map": RunOption(Optional[str], None, docs["voice_map"] + " Example: en=VOICE,de=VOICE|VOICE; a job "

@@ -127,7 +127,7 @@ def read_output(out: Path) -> dict[str, dict]:
         keys = sorted({name.split(".", 1)[0] for name in members})
         for key in keys:
             meta = json.loads(members[f"{key}.json"])
-            fmt = meta.get("format", "wav")  # the audio member is KEY.wav, KEY.flac, KEY.opus or KEY.mp3
+            fmt = meta.get("format", "wav")  # the audio member is KEY.wav, KEY.flac or KEY.opus
             assert {n for n in members if n.startswith(f"{key}.")} == {f"{key}.json", f"{key}.{fmt}"}
             audio, sr = soundfile.read(io.BytesIO(members[f"{key}.{fmt}"]), dtype="float32")
             assert meta["id"] not in items, f"id {meta['id']!r} written twice"

@@ -213,16 +213,33 @@ def card_text(root: Path, license: str = "unknown") -> Optional[str]:
         lines += ["", "## Quality checks", "", _qc_sentence(qc), "", "```json",
                   json.dumps(qc, indent=2, sort_keys=True), "```"]
     lines += ["", "## Files", "",
-              "- `shard-NNNNNN.tar`: WebDataset shards, `KEY.wav` (16-bit PCM mono) and `KEY.json` (the text, "
+              f"- `shard-NNNNNN.tar`: WebDataset shards, {_audio_member(fingerprint)} and `KEY.json` (the text, "
               "the voice, the seed and settings, the quality signals) per clip"
               + (" (in each `part-*` folder)" if len(folders) > 1 or folders[0] != root else "") + ".",
               "- `manifest.parquet`: one row per clip (id, shard, text, voice, duration_s, ..., qc_*).",
               "- `stats.json`: throughput and timing; `failures.jsonl`: rows that could not be made, with reasons."]
     exports = [(f, p) for f, p in (("Hugging Face Parquet", "exports/hf"), ("NeMo", "exports/nemo"),
-                                   ("Lhotse", "exports/lhotse")) if (root / p).is_dir()]
+                                   ("Lhotse", "exports/lhotse"), ("Lhotse Shar", "exports/shar"))
+               if (root / p).is_dir()]
     for what, where in exports:
         lines.append(f"- `{where}/`: the {what} export.")
     return "\n".join(lines) + "\n"
+
+
+AUDIO_MEMBERS = {"wav": "16-bit PCM mono", "flac": "16-bit FLAC mono, lossless", "opus": "Opus in Ogg, mono"}
+
+
+def _audio_member(fingerprint: dict) -> str:
+    """The shards' audio member as the job's fingerprint records its format (store/audio.py)."""
+    audio = fingerprint.get("audio") if isinstance(fingerprint.get("audio"), dict) else {}
+    fmt = audio.get("format") if audio.get("format") in AUDIO_MEMBERS else "wav"
+    what = AUDIO_MEMBERS[fmt]
+    bitrate, rate = audio.get("bitrate"), audio.get("sample_rate")  # a hand-edited job.json may hold anything
+    if isinstance(bitrate, (int, float)) and not isinstance(bitrate, bool):
+        what += f", {bitrate:g} kbit/s"
+    if isinstance(rate, int) and not isinstance(rate, bool):
+        what += f", {rate} Hz"
+    return f"`KEY.{fmt}` ({what})"
 
 
 def _table(rows: Iterable[dict], has_language: bool, languages: list[str]) -> list[str]:

@@ -1,32 +1,46 @@
 """Dataset formats besides the WebDataset shards: Hugging Face `datasets` Parquet (Audio feature),
-NeMo and Lhotse manifests, written from a finished output folder (one worker's, or a sharded job's
-root holding part-* folders).
+NeMo and Lhotse manifests and Lhotse Shar, written from a finished output folder (one worker's, or
+a sharded job's root holding part-* folders). Every one reads every audio format the shards hold
+(store/audio.py: an item's audio member is KEY.wav, KEY.flac or KEY.opus, by the format
+its KEY.json records) and hands on the member's own bytes, never re-encoded, except Shar, which
+stores a WAV member as FLAC (shar.py says why).
 
     OUT/exports/hf/data/train-00000-of-00003.parquet   audio {bytes, path} + id, text, duration, ..., qc_*
-    OUT/exports/nemo/tarred_audio_manifest.json        NeMo tarred audio: audio_filepath KEY.wav, shard_id N
+    OUT/exports/nemo/tarred_audio_manifest.json        NeMo tarred audio: audio_filepath KEY.flac, shard_id N
     OUT/exports/nemo/sharded_manifests/manifest_N.json the same, one file per shard
     OUT/exports/nemo/audio_N.tar                       links to the shards (NeMo finds shard N by this name)
     OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  each recording a byte range of a shard
+    OUT/exports/shar/{cuts.N.jsonl.gz,recording.N.tar} Lhotse Shar, a copy of the audio (shar.py)
+
+The Hugging Face `Audio` feature's `sampling_rate` is the items' rate as written (after
+--sample-rate), never the engine's: `datasets` resamples to it when it decodes.
 
 The NeMo and Lhotse exports point into the tar shards and copy no audio: NeMo's tarred datasets
-read the shards themselves (the KEY.json members beside each KEY.wav are not audio: NeMo's
-webdataset reader groups them with the WAV and ignores them; its Lhotse reader needs
+read the shards themselves (the KEY.json members beside each audio member are not audio: NeMo's
+webdataset reader groups them with the audio by key and ignores them; its Lhotse reader needs
 `skip_missing_manifest_entries`), and each Lhotse recording is a `command` source that reads the
-WAV member's byte range out of its shard (`tail -c +OFFSET SHARD | head -c SIZE`), which
-`load_audio()` runs as it runs any command source. Lhotse Shar cannot point at our shards: its
-reader takes each tar's JSON member for a Lhotse manifest of the audio beside it, so Shar would be
-a second copy of every clip. With `copy=True` (`cosybatch export --copy`) they copy the audio out
-as loose files instead, for tools that need them:
+audio member's byte range out of its shard (`tail -c +OFFSET SHARD | head -c SIZE`), which
+`load_audio()` runs as it runs any command source and decodes from the bytes (soundfile reads all
+four formats from memory, so the source needs no format of its own). Lhotse Shar cannot point at
+our shards: its reader takes each tar's JSON member for a Lhotse manifest of the audio beside it,
+so `export --to shar` writes a second copy of every clip in Shar's own tars. With `copy=True`
+(`cosybatch export --copy`) NeMo and Lhotse copy the audio out as loose files instead, for tools
+that need them:
 
-    OUT/exports/wavs/KEY.wav                           plain WAV files, shared by both
+    OUT/exports/wavs/KEY.wav (KEY.flac, ...)           the audio members as they are, shared by both
     OUT/exports/nemo/manifest.jsonl                    audio_filepath relative to the manifest
     OUT/exports/lhotse/{recordings,supervisions}.jsonl.gz  absolute paths (Lhotse resolves from CWD);
                                                        a supervision per segment (KEY.json "segments")
 
+The loose files' folder keeps its name `wavs` whatever the format (as KEY.json keeps `wav_sha256`):
+the manifests are what tools read, and with one folder a re-export finds the files an earlier
+`--copy` wrote and writes none twice, where a new name would leave a whole stale copy of the
+audio beside the new one; a file's extension says its format.
+
 An export first checks the folder as `cosybatch status` does (every shard has the size its journal
 says): a folder that lost a shard after it finished is refused, never exported short. Each format
 is written into `exports/.FMT.tmp-PID/` and renamed into place when whole, so a failed export
-leaves the earlier one as it was and never half of a new one. (The WAV files under exports/wavs
+leaves the earlier one as it was and never half of a new one. (The loose files under exports/wavs
 are shared by NeMo and Lhotse and each is written whole, by rename, on its own.)
 """
 
@@ -50,10 +64,12 @@ from .audio import checksum as audio_checksum
 from .checkpoint import MANIFEST_FILE, RAY_FAILURES_DIR, STATE_DIR, OutputDir, write_atomic
 from .distributed import job_folders
 from .items import QC_COLUMNS, qc_columns
+from .shar import write_shar
 from .shards import item_key
 
-FORMATS = ("hf", "nemo", "lhotse")
+FORMATS = ("hf", "nemo", "lhotse", "shar")
 COPYING = ("nemo", "lhotse")  # the formats that point into the shards, or copy the audio out with copy=True
+LOOSE_DIR = "wavs"  # exports/wavs: the loose audio files of copy=True, in any format (the module's docstring)
 
 
 Expected = Optional[dict[str, dict]]  # key -> the journal's (or manifest's) item record, for one shard
@@ -287,8 +303,9 @@ def _remove(path: Path) -> None:
 
 def export(root: Path, fmt: str, require_complete: bool = True, copy: bool = False) -> Path:
     """Write one format. A run exporting its own output at the end passes require_complete=False.
-    copy=True: the NeMo and Lhotse exports copy the audio out as loose WAV files (exports/wavs)
-    instead of pointing into the shards; the Hugging Face export always holds the audio itself."""
+    copy=True: the NeMo and Lhotse exports copy the audio members out as loose files (exports/wavs,
+    KEY.wav or KEY.flac, ... by format) instead of pointing into the shards; the Hugging Face and
+    Shar exports always hold the audio themselves."""
     root = Path(root)
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -303,12 +320,15 @@ def export(root: Path, fmt: str, require_complete: bool = True, copy: bool = Fal
     check_whole(root)
     if fmt == "hf":
         return export_hf(root)
+    if fmt == "shar":
+        return export_shar(root)
     return {"nemo": export_nemo, "lhotse": export_lhotse}[fmt](root, copy=copy)
 
 
 def export_hf(root: Path) -> Path:
     """One Parquet file per tar shard, with the `huggingface` schema metadata that makes
-    `datasets` see the audio column as an Audio feature."""
+    `datasets` see the audio column as an Audio feature: each row's audio member as it is (any
+    format; `datasets` decodes it from the bytes), at the items' sample rate."""
 
     final = root / "exports" / "hf"
     write_into_place(final, lambda tmp: _write_hf(root, tmp / "data"))
@@ -336,8 +356,8 @@ def _write_hf(root: Path, dest: Path) -> None:
         rows.update({name: [] for name in optional})
         if with_qc:
             rows.update({name: [] for name, _ in QC_COLUMNS})
-        for key, meta, wav in iter_shard(*shard) if shard is not None else ():
-            rows["audio"].append({"bytes": wav, "path": member_name(key, meta)})
+        for key, meta, audio in iter_shard(*shard) if shard is not None else ():
+            rows["audio"].append({"bytes": audio, "path": member_name(key, meta)})
             rows["id"].append(meta["id"])
             rows["text"].append(meta["text"])
             rows["duration"].append(meta["duration"])
@@ -351,7 +371,7 @@ def _write_hf(root: Path, dest: Path) -> None:
                 columns = qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {}
                 for name, _ in QC_COLUMNS:
                     rows[name].append(columns.get(name))
-            sample_rate = sample_rate or meta["sample_rate"]
+            sample_rate = sample_rate or meta["sample_rate"]  # as written: after --sample-rate
         features = {
             "audio": {"_type": "Audio", "sampling_rate": sample_rate},
             "id": {"dtype": "string", "_type": "Value"},
@@ -378,15 +398,16 @@ def _write_hf(root: Path, dest: Path) -> None:
         pq.write_table(table, dest / f"train-{n:05d}-of-{max(len(paths), 1):05d}.parquet")
 
 
-def _extract_wavs(root: Path) -> list[tuple[Path, dict]]:
-    """Write every item as exports/wavs/KEY.wav (skipping ones already there) -> [(path, meta)]."""
-    wavs = real_folder(real_folder(root / "exports") / "wavs")
+def _extract_audio(root: Path) -> list[tuple[Path, dict]]:
+    """Write every item's audio member as exports/wavs/KEY.EXT (KEY.wav, KEY.flac, ...: its own bytes;
+    skipping ones already there) -> [(path, meta)]."""
+    loose = real_folder(real_folder(root / "exports") / LOOSE_DIR)
     out = []
     for shard, expected in shards(root):
-        for key, meta, wav in iter_shard(shard, expected):  # the key is the journal's, checked, never a path
-            path = wavs / member_name(key, meta)
-            if not _holds(path, wav):
-                write_atomic(path, wav)
+        for key, meta, audio in iter_shard(shard, expected):  # the key is the journal's, checked, never a path
+            path = loose / member_name(key, meta)
+            if not _holds(path, audio):
+                write_atomic(path, audio)
             out.append((path, meta))
     return out
 
@@ -411,7 +432,7 @@ def speaker_label(meta: dict) -> str:
 
 def export_nemo(root: Path, copy: bool = False) -> Path:
     """NeMo's tarred audio dataset over the shards (its manifest's path), or with copy=True a
-    manifest of loose WAV files (exports/nemo/manifest.jsonl)."""
+    manifest of loose audio files (exports/nemo/manifest.jsonl)."""
     dest = root / "exports" / "nemo"
     if copy:
         write_into_place(dest, lambda tmp: _write_nemo(root, dest, tmp))
@@ -440,13 +461,13 @@ def _jsonl(entries: list[dict]) -> bytes:
 
 
 def _write_nemo(root: Path, dest: Path, tmp: Path) -> None:
-    entries = [_nemo_entry(meta, os.path.relpath(path, dest)) for path, meta in _extract_wavs(root)]
+    entries = [_nemo_entry(meta, os.path.relpath(path, dest)) for path, meta in _extract_audio(root)]
     (tmp / "manifest.jsonl").write_bytes(_jsonl(entries))
 
 
 def _write_nemo_tarred(root: Path, dest: Path, tmp: Path) -> None:
     """NeMo's tarred layout, as its convert_to_tarred_audio_dataset.py writes it, over our shards:
-    every entry's audio_filepath is the WAV member's name in the tar (KEY.wav) and shard_id the
+    every entry's audio_filepath is the audio member's name in the tar (KEY.flac) and shard_id the
     shard's number N in the job (parts in order, then shards); audio_N.tar is a relative link to
     that shard, since NeMo's Lhotse reader finds a tar's shard id in its name (audio_N.tar)."""
     (tmp / "sharded_manifests").mkdir()
@@ -475,7 +496,7 @@ def tar_range_command(shard: Path, offset: int, size: int) -> str:
 def _lhotse_items(root: Path, copy: bool) -> Iterator[tuple[str, dict, dict]]:
     """(recording id, its audio source, the item's metadata) for every item."""
     if copy:
-        for path, meta in _extract_wavs(root):
+        for path, meta in _extract_audio(root):
             yield path.stem, {"type": "file", "channels": [0], "source": str(path.resolve())}, meta
         return
     for shard, expected in shards(root):
@@ -491,20 +512,41 @@ def _write_lhotse(root: Path, dest: Path, copy: bool = False) -> None:
             "sampling_rate": meta["sample_rate"], "num_samples": meta["num_samples"],
             "duration": meta["num_samples"] / meta["sample_rate"], "channel_ids": [0],
         })
-        duration = meta["num_samples"] / meta["sample_rate"]
-        custom = {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
-                  **({"prompt": meta["prompt"]} if "prompt" in meta else {}),
-                  **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})}
-        common = {"recording_id": rec_id, "channel": 0, "speaker": speaker_label(meta),
-                  **({"language": meta["language"]} if "language" in meta else {})}
-        segments = meta.get("segments") if isinstance(meta.get("segments"), list) else []
-        if len(segments) < 2:  # one supervision for the whole clip
-            supervisions.append({"id": rec_id, "start": 0.0, "duration": duration, "text": meta["text"], **common,
-                                 "custom": custom})
-            continue
-        for i, seg in enumerate(segments):  # one per piece the row was spoken as (KEY.json "segments")
-            start, end = max(0.0, seg["start"]), min(duration, seg["end"])
-            supervisions.append({"id": f"{rec_id}-{i}", "start": start, "duration": end - start, "text": seg["text"],
-                                 **common, "custom": {**custom, "segment": i}})
+        supervisions += lhotse_supervisions(rec_id, meta)
     for name, rows in (("recordings", recordings), ("supervisions", supervisions)):
         (dest / f"{name}.jsonl.gz").write_bytes(gzip.compress(_jsonl(rows), mtime=0))
+
+
+def lhotse_supervisions(rec_id: str, meta: dict) -> list[dict]:
+    """An item's Lhotse supervisions (the Lhotse and Shar exports): one for the whole clip, or one per
+    piece the row was spoken as (KEY.json "segments", ids REC-0, REC-1, ...), with the speaker, the
+    language, and the item's id, instruction, prompt and quality columns in `custom`."""
+    duration = meta["num_samples"] / meta["sample_rate"]
+    custom = {"id": meta["id"], **({"instruct": meta["instruct"]} if "instruct" in meta else {}),
+              **({"prompt": meta["prompt"]} if "prompt" in meta else {}),
+              **({"qc": qc_columns(meta["qc"])} if isinstance(meta.get("qc"), dict) else {})}
+    common = {"recording_id": rec_id, "channel": 0, "speaker": speaker_label(meta),
+              **({"language": meta["language"]} if "language" in meta else {})}
+    segments = meta.get("segments") if isinstance(meta.get("segments"), list) else []
+    if len(segments) < 2:  # one supervision for the whole clip
+        return [{"id": rec_id, "start": 0.0, "duration": duration, "text": meta["text"], **common, "custom": custom}]
+    found = []
+    for i, seg in enumerate(segments):  # one per piece the row was spoken as (KEY.json "segments")
+        start, end = max(0.0, seg["start"]), min(duration, seg["end"])
+        found.append({"id": f"{rec_id}-{i}", "start": start, "duration": end - start, "text": seg["text"],
+                      **common, "custom": {**custom, "segment": i}})
+    return found
+
+
+def export_shar(root: Path) -> Path:
+    """Lhotse Shar under exports/shar (shar.py): a shard of cuts and one of audio per shard of the
+    job, in order, each item's audio read from its shard and checked as every export checks it."""
+    dest = root / "exports" / "shar"
+    write_into_place(dest, lambda tmp: write_shar(tmp, (_shar_items(shard, expected)
+                                                        for shard, expected in shards(root))))
+    return dest
+
+
+def _shar_items(shard: Path, expected: Expected) -> Iterator[tuple[str, dict, bytes, list[dict]]]:
+    for key, meta, audio in iter_shard(shard, expected):
+        yield key, meta, audio, lhotse_supervisions(key, meta)

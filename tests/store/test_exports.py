@@ -259,7 +259,7 @@ def test_exports_carry_the_rows_language_and_pool_speaker(tmp_path):
 
 
 # -- export checks the folder first and never leaves half an export (issue 23, case 4) -------------
-@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse"])
+@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse", "shar"])
 def test_export_refuses_a_folder_that_lost_a_shard(tone, tmp_path, fmt):
     _, out = finished_tone_job(tone, tmp_path)
     (out / "shard-000001.tar").unlink()
@@ -269,7 +269,7 @@ def test_export_refuses_a_folder_that_lost_a_shard(tone, tmp_path, fmt):
     assert DamagedOutputError.exit_code == 3
 
 
-@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse"])
+@pytest.mark.parametrize("fmt", ["hf", "nemo", "lhotse", "shar"])
 def test_an_unreadable_shard_leaves_the_earlier_export_whole(tone, tmp_path, fmt):
     _, out = finished_tone_job(tone, tmp_path)
     export(out, fmt)
