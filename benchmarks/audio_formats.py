@@ -9,7 +9,8 @@ encoding, stats.json stage_seconds.shape: the run's own account, steadier than w
 on a shared machine) as a share of the wall time. Then the quality gate's Whisper (tiny.en through
 CTranslate2, as `--qc asr` loads it) transcribes every clip of the last round's wav and opus jobs
 at each rate, and the word error rate against the corpus text is compared: what Opus at 32 kbit/s
-costs a model that hears it.
+costs a model that hears it. Last, the clips' last stage alone (`shape`) on the wav job's clips, on
+one thread and on --stage-threads, for each format: what it can keep up with.
 
     python benchmarks/audio_formats.py [--rounds 2] [--threads 1] [--no-wer] [--json PATH]
 """
@@ -71,10 +72,35 @@ def corpus_wer(out: Path, transcriber) -> float:
     return errors / words
 
 
+def stage_rates(out: Path, threads: int) -> dict:
+    """The clips' last stage alone, as `run` does it (run/shaping.py `shape`), on every clip of the WAV
+    job `out` taken as the engine's output: audio-seconds per second for each format on one thread
+    and on `threads` threads (as RowLine's pool runs it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cosybatch.config import OutputConfig
+    from cosybatch.run.shaping import shape
+    from cosybatch.store.audio import decode
+    from cosybatch.store.exports import iter_shard
+
+    clips = [decode(data) for shard in sorted(out.glob("shard-*.tar")) for _, _, data in iter_shard(shard)]
+    audio_s = sum(len(a) / r for a, r in clips)
+    rates: dict = {}
+    for fmt in ("wav", "flac", "opus"):
+        settings = OutputConfig(folder=out, audio_format=fmt)
+        for n in sorted({1, threads}):
+            t = time.perf_counter()
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(lambda c, s=settings: shape(c[0], c[1], s), clips))
+            rates[f"{fmt}/{n}"] = round(audio_s / (time.perf_counter() - t), 1)
+    return rates
+
+
 def main() -> None:
     ap = cli(__doc__, rounds=2, threads=1, helps={"threads": "--threads of every `cosybatch run`"})
     ap.add_argument("--corpus", type=Path, default=ROOT / "examples" / "corpus.parquet", help="the corpus to run")
     ap.add_argument("--no-wer", action="store_true", help="skip the transcription of the wav and opus jobs")
+    ap.add_argument("--stage-threads", type=int, default=2, help="threads of the last stage's own timing")
     args = parse(ap)
 
     with tempfile.TemporaryDirectory(prefix="audio-formats-") as tmp:
@@ -91,6 +117,7 @@ def main() -> None:
 
         runs = alternate({name: variant(name) for name in VARIANTS}, args.rounds, baseline="wav", say=say)
         result = {"runs": runs.as_dict(), "goals": GOALS}
+        result["stage_audio_s_per_s"] = stage_rates(Path(tmp) / f"wav-{args.rounds - 1}", args.stage_threads)
         wer: dict[str, float] = {}
         if not args.no_wer:
             from cosybatch.qc.asr import Transcriber, ready_model
@@ -111,6 +138,7 @@ def main() -> None:
                          f"{100 * runs.median(name, 'shape_share'):.2f}%",
                          f"{wer[name]:.4f}" if name in wer else ""])
         table(["variant", "wall s", "MB per audio hour", "bytes vs wav", "last stage / wall", "WER (tiny.en)"], rows)
+        print("the last stage alone, audio-s per s (format/threads):", result["stage_audio_s_per_s"])
         if wer:
             print(f"Opus 32 kbit/s WER - WAV WER: {wer['opus32'] - wer['wav']:+.4f} at 22050/24000 Hz, "
                   f"{wer['opus32-16k'] - wer['wav-16k']:+.4f} at 16000 Hz (goal: within {GOALS['opus_wer_delta']})")
