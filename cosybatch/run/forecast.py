@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..config import RunConfig
+from ..config import AUDIO_BITRATES, OutputConfig, RunConfig
 from ..corpus import Row
+from ..store.audio import coded_rate
 from ..store.checkpoint import STATS_FILE
 from .executor import BatchPolicy, EngineSet, expected_seconds
 from .line import Admission, Reading, RowLine
@@ -35,6 +36,11 @@ from .preflight import check, open_corpus, part_config
 WAV_HEADER_BYTES = 44
 TAR_BLOCK = 512
 JSON_MEMBER_BYTES = 2 * TAR_BLOCK + 2048  # its header, and the JSON padded to 512s
+# The other formats' audio bytes, measured on the main job (docs/figures.md, "Audio formats"): FLAC
+# 0.496 of 16-bit PCM at 22050 Hz and 0.560 at 16000 Hz (the larger is taken); Opus 15.1 MB per
+# audio hour at 32 kbit/s, 1.05 times its bitrate with Ogg's pages.
+FLAC_OF_PCM = 0.56
+OPUS_OF_BITRATE = 1.05
 FAILURE_EXAMPLES = 5
 
 
@@ -59,7 +65,8 @@ class _Estimating(EngineSet):
                 self.seconds = self.samples = None
             else:
                 self.seconds += clip
-                self.samples += round(clip * engine.sample_rate)
+                rate = coded_rate(self.cfg.output.audio_format, self.cfg.output.sample_rate or engine.sample_rate)
+                self.samples += round(clip * rate)
         return group, prepared, entry
 
 
@@ -104,7 +111,8 @@ def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
         plan.update(audio_seconds="unknown", audio_hours="unknown", disk_bytes="unknown")
     else:
         plan.update(audio_seconds=round(engines.seconds, 1), audio_hours=round(engines.seconds / 3600, 4),
-                    disk_bytes=disk_bytes(engines.samples, engines.rows, cfg.output.shard_max_items))
+                    disk_bytes=disk_bytes(engines.samples, engines.rows, cfg.output.shard_max_items,
+                                          cfg.output, engines.seconds))
     found = {"audio_seconds_per_wall_second": rate, "from": "--rate"} if rate else earlier_rate(cfg, default)
     if found is not None:
         plan["rate"] = found
@@ -121,10 +129,18 @@ def plan_only(cfg: RunConfig, rate: Optional[float] = None) -> dict:
     return {**checked, "plan": plan}
 
 
-def disk_bytes(samples: int, items: int, per_shard: int) -> int:
-    """The shards' size for `items` clips of `samples` samples in all: 16-bit PCM mono WAV members
-    (each padded to 512 bytes, behind its tar header) and their KEY.json, and each shard's end."""
-    wav = 2 * samples + items * (WAV_HEADER_BYTES + TAR_BLOCK + TAR_BLOCK // 2)  # half a block of padding, on average
+def disk_bytes(samples: int, items: int, per_shard: int, output: Optional[OutputConfig] = None,
+               seconds: float = 0.0) -> int:
+    """The shards' size for `items` clips of `samples` samples (`seconds`) in all: their audio members
+    (16-bit PCM WAV, or FLAC or Opus by the measured ratios above; each padded to 512 bytes, behind
+    its tar header) and their KEY.json, and each shard's end."""
+    fmt = output.audio_format if output is not None else "wav"
+    audio = 2 * samples
+    if fmt == "flac":
+        audio = round(FLAC_OF_PCM * audio)
+    elif fmt == "opus":
+        audio = round(OPUS_OF_BITRATE * (output.bitrate or AUDIO_BITRATES["opus"]) * 1000 / 8 * seconds)
+    wav = audio + items * (WAV_HEADER_BYTES + TAR_BLOCK + TAR_BLOCK // 2)  # half a block of padding, on average
     shards = max(1, -(-items // max(1, per_shard)))
     return wav + items * JSON_MEMBER_BYTES + shards * 20 * TAR_BLOCK  # tarfile pads each shard to 10 KiB records
 

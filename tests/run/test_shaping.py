@@ -16,7 +16,9 @@ from helpers import assert_exactly_once, write_jsonl
 
 from cosybatch.config import RunConfig
 from cosybatch.errors import ResumeMismatchError, UsageError
+from cosybatch.run.forecast import plan_only
 from cosybatch.run.local import run
+from cosybatch.run.shaping import to_loudness
 
 ROWS = [
     {"id": "short", "text": "Yes."},
@@ -69,9 +71,11 @@ def true_peak(audio: np.ndarray, rate: int) -> float:
 
 
 def test_each_format_and_rate_round_trips(tmp_path):
-    wav, wav_items = make(tmp_path, "wav16", sample_rate=16000)
-    flac, flac_items = make(tmp_path, "flac16", audio_format="flac", sample_rate=16000)
-    opus, opus_items = make(tmp_path, "opus", audio_format="opus")  # the voice's 22050 Hz -> Opus's 24000
+    options = {"wav": {"sample_rate": 16000}, "flac": {"audio_format": "flac", "sample_rate": 16000},
+               "opus": {"audio_format": "opus"}}  # the voice's 22050 Hz -> Opus's 24000
+    wav, wav_items = make(tmp_path, "wav16", **options["wav"])
+    flac, flac_items = make(tmp_path, "flac16", **options["flac"])
+    opus, opus_items = make(tmp_path, "opus", **options["opus"])
     for out, items, fmt, rate in ((wav, wav_items, "wav", 16000), (flac, flac_items, "flac", 16000),
                                   (opus, opus_items, "opus", 24000)):
         manifest = {r["id"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
@@ -84,6 +88,10 @@ def test_each_format_and_rate_round_trips(tmp_path):
             assert item["meta"].get("resampled_from") == (None if rate == 22050 else 22050)
         stats = json.loads((out / "stats.json").read_text())
         assert stats["items_done"] == len(ROWS)
+        # --plan-only foresees the shards' size in this format and rate.
+        planned = plan_only(RunConfig.from_options(corpus=tmp_path / "c.jsonl", out=tmp_path / "plan", progress="none",
+                                                   sentence_silence=0.3, **options[fmt]))["plan"]["disk_bytes"]
+        assert planned == pytest.approx(sum(p.stat().st_size for p in out.glob("shard-*.tar")), rel=0.35), fmt
     for item_id in wav_items:  # FLAC is lossless: the very samples of the WAV job at the same rate
         assert np.array_equal(flac_items[item_id]["audio"], wav_items[item_id]["audio"])
         assert len(flac_items[item_id]["data"]) < 0.8 * len(wav_items[item_id]["data"])
@@ -100,16 +108,13 @@ def test_loudness_lands_on_the_target_under_the_true_peak_ceiling(tmp_path):
         assert bs1770(item["audio"], item["sample_rate"]) == pytest.approx(-23.0, abs=0.5), item_id
         assert manifest[item_id]["loudness_lufs"] == record["lufs"] == pytest.approx(-23.0, abs=0.01)
         assert true_peak(item["audio"], item["sample_rate"]) <= -1.0 + 0.1
-    # Loud enough that the ceiling holds some clips back: they stay under it, quieter than asked.
-    out, items = make(tmp_path, "loud", loudness=-9.0, true_peak=-2.0)
-    limited = [i for i in items.values() if i["meta"]["loudness"]["limited_by_peak"]]
-    assert limited
-    for item in items.values():
-        measured = bs1770(item["audio"], item["sample_rate"])
-        assert true_peak(item["audio"], item["sample_rate"]) <= -2.0 + 0.1
-        assert measured == pytest.approx(item["meta"]["loudness"]["lufs"], abs=0.5)
-        assert measured < -9.0 + 0.5
-    assert all(i["meta"]["loudness"]["lufs"] < -9.0 for i in limited)
+    # Loud enough that the ceiling holds them back (the run's clips asked for -9 LUFS under -2 dBTP,
+    # through the stage itself): they stay under it, quieter than asked, and say so.
+    for item_id, item in items.items():
+        audio, record = to_loudness(item["audio"], item["sample_rate"], -9.0, -2.0)
+        assert record["limited_by_peak"] and record["lufs"] < -9.0, item_id
+        assert true_peak(audio, item["sample_rate"]) <= -2.0 + 0.1
+        assert bs1770(audio, item["sample_rate"]) == pytest.approx(record["lufs"], abs=0.5)
 
 
 def test_trimmed_clips_keep_every_voiced_sample(tmp_path):
