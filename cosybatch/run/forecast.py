@@ -36,7 +36,7 @@ from .preflight import check, open_corpus, part_config
 WAV_HEADER_BYTES = 44
 TAR_BLOCK = 512
 JSON_MEMBER_BYTES = 2 * TAR_BLOCK + 2048  # its header, and the JSON padded to 512s
-# The other formats' audio bytes, measured on the main job (docs/figures.md, "Audio formats"): FLAC
+# The other formats' audio bytes, measured on the main job (docs/figures.md, "Audio formats and rates"): FLAC
 # 0.496 of 16-bit PCM at 22050 Hz and 0.560 at 16000 Hz (the larger is taken); Opus 15.1 MB per
 # audio hour at 32 kbit/s, 1.05 times its bitrate with Ogg's pages.
 FLAC_OF_PCM = 0.56
