@@ -18,9 +18,11 @@ def _stop(signum, frame):
 
 
 def main() -> None:
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _stop)
     try:
+        # Inside the try: a signal handled right after its handler is set (between two bytecodes of
+        # this loop, before a `try` after it had begun) escaped as a traceback with exit 1.
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _stop)
         from .cli import main as cli_main
 
         cli_main()
