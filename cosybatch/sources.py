@@ -37,8 +37,10 @@ The decisions, also in docs/input.md ("A corpus in parts"):
   used. Credentials the usual way: pyarrow's S3 client (the AWS SDK) reads AWS_ACCESS_KEY_ID,
   AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, AWS_DEFAULT_REGION and the instance's role
   itself; AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (an S3-compatible store: MinIO, Ceph, R2) is read
-  here and handed over as `endpoint_override`, since pyarrow's `from_uri` would otherwise ask AWS
-  for the bucket's region. GCS reads GOOGLE_APPLICATION_CREDENTIALS. A URI holding credentials
+  here and handed over as `endpoint_override` (path-style addressing): checked with pyarrow 26
+  against moto's server, `from_uri` reads AWS_ENDPOINT_URL but a plain `S3FileSystem()` does not
+  (it then looks the bucket up as a host name), and older pyarrow reads neither. GCS reads
+  GOOGLE_APPLICATION_CREDENTIALS. A URI holding credentials
   (`s3://KEY:SECRET@bucket`, `?secret_key=`) is refused: the URI is recorded in the output folder.
 - A store that cannot be listed (no such bucket, access denied, no connection) is a UsageError
   (exit 2) before any work, naming the bucket and the settings to check.
