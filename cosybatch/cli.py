@@ -83,7 +83,8 @@ def _run_parameters() -> list[inspect.Parameter]:
     """The `run` command's parameters: the job's options, then the command's own flags."""
     params = [
         inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
-        inspect.Parameter("corpus", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[Path],
+        # A string, not a Path: a Path would fold a URI's "//" into one slash.
+        inspect.Parameter("corpus", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[str],
                           default=typer.Argument(None, help=D["corpus"] + " (or `corpus` in --job)",
                                                  show_default=False)),
         _option("job", Optional[Path], None, "TOML or YAML file holding any of these options; flags given here "

@@ -18,7 +18,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 from .engines import DEFAULT_ENGINE
 from .errors import UsageError
@@ -116,12 +116,13 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class InputConfig:
-    """What is read: the corpus file and its columns."""
+    """What is read: the corpus (a file, a folder of parts, a glob or a URI) and its columns."""
 
     SECTION = "input"
 
-    corpus: Path
-    """Corpus file: Parquet, JSONL(.gz), CSV, TSV or plain text (one row a line)."""
+    corpus: Union[Path, str]
+    """Corpus: a file (Parquet, JSONL(.gz), CSV, TSV or plain text, one row a line), a folder of parts,
+    a glob (quoted: 'data/train-*.parquet') or a URI (s3://BUCKET/PREFIX/, gs://..., file://...)."""
     format: Optional[str] = None
     """parquet, jsonl, csv, tsv or text (one row a line); unset: chosen by file suffix."""
     id_col: Optional[str] = None
@@ -136,7 +137,10 @@ class InputConfig:
     """Rows with longer text fail with a reason (about 20 minutes of speech at the default; 1 to 1_000_000)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "corpus", Path(self.corpus))
+        from .sources import is_uri
+
+        # A URI stays a string: a Path would fold its "//" into one slash.
+        object.__setattr__(self, "corpus", self.corpus if is_uri(self.corpus) else Path(self.corpus))
         _check_bounds(self)
 
 
@@ -571,9 +575,11 @@ class RunConfig:
         from .engines import EngineOptions
 
         e = self.engine
-        # Relative paths in rows are read relative to the corpus file's folder.
+        from .sources import corpus_folder
+
+        # Relative paths in rows are read relative to the corpus file's folder (see corpus_folder).
         return EngineOptions(device or e.device, e.threads, e.seed, e.memory_fraction,
-                             Path(self.input.corpus).resolve().parent, allow_paths, self.engine_settings())
+                             corpus_folder(self.input.corpus), allow_paths, self.engine_settings())
 
 
 def _plain(value: Any) -> Any:
@@ -614,7 +620,7 @@ def run_options() -> dict[str, RunOption]:
 
     docs = RunConfig.field_docs()
     found: dict[str, RunOption] = {
-        "corpus": RunOption(Optional[Path], None, docs["corpus"], "input")}
+        "corpus": RunOption(Optional[str], None, docs["corpus"], "input")}
     for flat, (section, field_name) in FLAT.items():
         if flat in SPELLED_OTHERWISE:
             continue
@@ -708,7 +714,7 @@ def normalise_options(options: dict[str, Any]) -> dict[str, Any]:
         if name in v and v[name] is None:
             del v[name]
     if v.get("out") is None:
-        v["out"] = Path("out") / _stem(Path(v["corpus"]))
+        v["out"] = Path("out") / _stem(v["corpus"])
     return v
 
 
@@ -734,11 +740,19 @@ def _seconds(text: str, option: str) -> float:
     return sum(float(n) * units[u] for n, u in parts)
 
 
-def _stem(path: Path) -> str:
-    name = path.name
+def _stem(corpus: Union[Path, str]) -> str:
+    """The default --out folder's name: the corpus's last path component (a folder's, a prefix's,
+    a glob's without its wildcards) without its corpus suffixes."""
+    from .sources import default_name, is_uri
+
+    text = str(corpus)
+    wild = is_uri(text) or any(ch in text for ch in "*?[")
+    name = default_name(text) if wild else Path(text).name
     for suffix in (".gz", ".jsonl", ".ndjson", ".parquet", ".pq", ".csv", ".tsv", ".tab", ".txt"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
+    if wild:
+        name = name.strip("-_. ")
     return name or "corpus"
 
 

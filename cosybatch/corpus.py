@@ -5,6 +5,10 @@ A reader yields `Row` for every usable row and `BadRow` for rows it cannot use, 
 row is recorded with its reason and never takes the good rows around it down. Problems with the
 file as a whole (unknown format, missing column, wrong column type) raise `CorpusError` before
 any work starts.
+
+A `Corpus` is one file: a local path, or a `RemoteFile` (an object in a store that pyarrow.fs
+reaches, read through it and never copied to a local path). Folders, globs and URIs of many parts
+are `cosybatch.sources`' business: it reads each part with a `Corpus`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ DEFAULT_MAX_CHARS = 20000  # RunConfig.max_chars's default
 BYTES_PER_CHAR = 16
 MIN_ROW_BYTES = 1 << 20
 SCAN_CHUNK = 1 << 20
+# A remote file is read in pieces (one ranged GET each on S3) from REMOTE_FIRST_BYTES, so that a
+# look at its first lines costs little, doubling up to REMOTE_READ_BYTES for streaming.
+REMOTE_FIRST_BYTES = 256 << 10
+REMOTE_READ_BYTES = 4 << 20
 
 
 def row_bytes(max_chars: int) -> int:
@@ -116,13 +124,88 @@ def detect_format(path: Path, fmt: Optional[str] = None) -> str:
     )
 
 
+class RemoteFile:
+    """One file in a store that pyarrow.fs reaches (S3, GCS, ...): `fs` and its `key` there, the
+    `uri` that names it in messages, its size and the store's version of it (ETag, VersionId,
+    generation or mtime: what `cosybatch.sources` fingerprints). Read through the filesystem in
+    growing pieces; never written to a local path."""
+
+    def __init__(self, fs, key: str, uri: str, size: Optional[int] = None, version: Optional[dict] = None):
+        self.fs, self.key, self.uri, self.size = fs, key, uri, size
+        self.version = version or {}
+        self.name = key.rsplit("/", 1)[-1]
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def open_random(self):
+        """A pyarrow random-access file (Parquet reads its footer and row groups by range)."""
+        return self.fs.open_input_file(self.key)
+
+    def open_stream(self) -> io.BufferedReader:
+        """The raw bytes (not decompressed), front to back, as a Python binary file."""
+        return io.BufferedReader(_NativeReader(self.fs.open_input_stream(self.key, compression=None)),
+                                 REMOTE_READ_BYTES)
+
+
+class _NativeReader(io.RawIOBase):
+    """A pyarrow input stream as a Python raw stream (pyarrow's own files have no readline), read in
+    pieces from REMOTE_FIRST_BYTES doubling up to REMOTE_READ_BYTES (a short read is allowed)."""
+
+    def __init__(self, native):
+        super().__init__()
+        self.native = native
+        self.piece = REMOTE_FIRST_BYTES
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.native.read(min(len(buffer), self.piece))
+        self.piece = min(2 * self.piece, REMOTE_READ_BYTES)
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.native.close()
+        super().close()
+
+
+class _OwnGzip(gzip.GzipFile):
+    """A GzipFile over a file object that closes that file too."""
+
+    def close(self) -> None:
+        inner = self.fileobj
+        try:
+            super().close()
+        finally:
+            if inner is not None:
+                inner.close()
+
+
+def _open_raw(source: Union[Path, RemoteFile]):
+    """A corpus file's bytes as stored (a .gz file still compressed)."""
+    return source.open_stream() if isinstance(source, RemoteFile) else open(source, "rb")
+
+
+def _open_decompressed(source: Union[Path, RemoteFile]):
+    """A corpus file's bytes, decompressed for .gz."""
+    gz = source.name.lower().endswith(".gz")
+    if isinstance(source, RemoteFile):
+        raw = source.open_stream()
+        return _OwnGzip(fileobj=raw, mode="rb") if gz else raw
+    return gzip.open(source, "rb") if gz else open(source, "rb")
+
+
 class Corpus:
     """A corpus file with its column mapping. Iterating yields `Row` and `BadRow` in file order."""
 
-    def __init__(self, path: Union[str, Path], columns: Columns = Columns(), fmt: Optional[str] = None,
+    def __init__(self, path: Union[str, Path, RemoteFile], columns: Columns = Columns(), fmt: Optional[str] = None,
                  max_chars: int = DEFAULT_MAX_CHARS):
-        self.path = Path(path)
-        if not self.path.is_file():
+        self.remote = path if isinstance(path, RemoteFile) else None
+        self.path = path if self.remote is not None else Path(path)
+        if self.remote is None and not self.path.is_file():
             raise CorpusError(f"{self.path}: no such corpus file")
         self.columns = columns
         self.format = detect_format(self.path, fmt)
@@ -133,6 +216,7 @@ class Corpus:
         self._has_voice = False
         self._prompt_cols: tuple[str, ...] = ()
         self._fingerprint: Optional[dict] = None
+        self.sniffed: Optional[int] = None  # JSONL: the objects the field check looked at (0: none to go by)
         if self.format == "parquet":
             self._check_parquet_schema()
         elif self.format in ("csv", "tsv"):
@@ -178,7 +262,7 @@ class Corpus:
         import pyarrow.parquet as pq
 
         try:
-            schema = pq.ParquetFile(self.path).schema_arrow
+            schema = pq.ParquetFile(self._parquet_source()).schema_arrow
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorpusError(f"{self.path}: not a readable Parquet file ({exc})") from exc
         names = schema.names
@@ -214,13 +298,23 @@ class Corpus:
         # Every record left is at most row_bytes long (longer ones are replaced, below), so it fits a block.
         block = max(CSV_BLOCK_BYTES, 2 * self.row_bytes)
         source = _Replacing(self._open_bytes(), self._oversized, self._placeholder) if self._oversized \
-            else self.path
+            else self._open_bytes() if self.remote is not None else self.path
         return pcsv.open_csv(source, read_options=pcsv.ReadOptions(use_threads=False, block_size=block),
                              parse_options=parse, convert_options=convert)
 
     def _open_bytes(self):
         """The file's bytes (decompressed for .gz)."""
-        return gzip.open(self.path, "rb") if self.path.name.lower().endswith(".gz") else open(self.path, "rb")
+        return _open_decompressed(self.path)
+
+    def _parquet_source(self):
+        """What pyarrow's ParquetFile reads: the local path, or the remote file by range."""
+        return self.path if self.remote is None else self.remote.open_random()
+
+    def _source_key(self) -> tuple:
+        """Which file, in which version: the key of a CSV scan kept for the next opening."""
+        if self.remote is not None:
+            return (self.remote.uri, self.remote.size, tuple(sorted(self.remote.version.items())))
+        return (str(self.path.resolve()), *_stat_key(self.path))
 
     def _placeholder(self, start: int, end: int, line: int) -> bytes:
         """What an over-long record is read as: a record of the header's width whose first field
@@ -232,7 +326,7 @@ class Corpus:
         """One pass over a CSV/TSV file's bytes before any work: an unterminated quote refuses the file
         (pyarrow would close it at the end, making the records after it part of a text), and records
         over row_bytes are noted, to be read as bad rows without their bytes."""
-        key = (str(self.path.resolve()), *_stat_key(self.path), self.row_bytes, self.format)
+        key = (*self._source_key(), self.row_bytes, self.format)
         found = _SCANNED.get(key)
         if found is None:
             try:
@@ -240,7 +334,8 @@ class Corpus:
                     found = _scan_csv(f, quoting=self.format == "csv", cap=self.row_bytes)
             except (OSError, EOFError) as exc:
                 raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
-            _SCANNED.clear()  # one file's scan is kept: a job opens its corpus more than once
+            if len(_SCANNED) >= SCANS_KEPT:  # a job opens its corpus (every part of it) more than once
+                _SCANNED.clear()
             _SCANNED[key] = found
         oversized, open_quote = found
         if open_quote is not None:
@@ -271,7 +366,7 @@ class Corpus:
                               "number as id); drop --id-col and --voice-col, or use CSV, JSONL or Parquet")
         self._has_id = False
         try:
-            with open(self.path, "rb") as f:
+            with _open_raw(self.path) as f:
                 f.read(1)
         except OSError as exc:
             raise CorpusError(f"{self.path}: cannot read the file ({exc})") from exc
@@ -324,6 +419,7 @@ class Corpus:
             with_voice = int(c.voice in seen_keys)
         self._has_voice = c.voice_required or with_voice > 0
         self._prompt_cols = tuple(name for name, count in with_prompt.items() if count)
+        self.sniffed = objects
 
     # -- reading ------------------------------------------------------------------------------
     @property
@@ -332,9 +428,11 @@ class Corpus:
         if self.format == "parquet":
             import pyarrow.parquet as pq
 
-            return pq.ParquetFile(self.path).metadata.num_rows
+            return pq.ParquetFile(self._parquet_source()).metadata.num_rows
         if self.format in ("csv", "tsv") or self.path.name.lower().endswith(".gz"):
             return None  # a CSV field may hold newlines: only reading it counts its rows
+        if self.remote is not None:
+            return None  # counting would download the file once more
         count = 0
         last = b"\n"
         text = self.format == "text"  # a lone CR ends a line of text too (see _text_lines)
@@ -371,7 +469,7 @@ class Corpus:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        file = pq.ParquetFile(self.path)
+        file = pq.ParquetFile(self._parquet_source())
         groups = file.metadata.num_row_groups
         unreadable = []
         first = 0
@@ -530,6 +628,11 @@ class Corpus:
                             languages[k] if languages is not None else None)
 
     @property
+    def has_id_column(self) -> bool:
+        """Whether ids come from a column (else from row or line numbers)."""
+        return self._has_id
+
+    @property
     def read_columns(self) -> list[str]:
         c = self.columns
         return ([c.text] + ([c.id] if self._has_id else []) + ([c.voice] if self._has_voice else [])
@@ -537,9 +640,11 @@ class Corpus:
 
     def fingerprint(self) -> dict:
         """Identifies the corpus exactly: its name, size and the sha256 of the whole file. Computed
-        once per corpus object (it reads every byte, about a second per GB)."""
+        once per corpus object (it reads every byte, about a second per GB). A remote file: its
+        name, size and the store's version of it, without reading its bytes."""
         if self._fingerprint is None:
-            self._fingerprint = {"name": self.path.name, **file_sha256(self.path)}
+            self._fingerprint = {"name": self.path.name, "size": self.remote.size, **self.remote.version} \
+                if self.remote is not None else {"name": self.path.name, **file_sha256(self.path)}
         return self._fingerprint
 
 
@@ -565,12 +670,12 @@ def _capped_lines(f, cap: int, newline) -> Iterator[tuple[int, Union[bytes, str,
         index += 1
 
 
-def _jsonl_lines(path: Path, cap: int = MIN_ROW_BYTES) -> Iterator[tuple[int, Union[bytes, _Oversized]]]:
+def _jsonl_lines(path: Union[Path, RemoteFile], cap: int = MIN_ROW_BYTES) \
+        -> Iterator[tuple[int, Union[bytes, _Oversized]]]:
     """Yield (0-based line number, raw line) for non-blank lines; bytes so bad UTF-8 is per line.
     A UTF-8 byte order mark before the first line (as some Windows tools write) is skipped. JSON
     Lines ends a line at LF only (a CR before it is JSON whitespace)."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rb") as f:
+    with _open_decompressed(path) as f:
         for index, line in _capped_lines(f, cap, b"\n"):
             if isinstance(line, _Oversized):
                 yield index, line
@@ -581,13 +686,13 @@ def _jsonl_lines(path: Path, cap: int = MIN_ROW_BYTES) -> Iterator[tuple[int, Un
                 yield index, line
 
 
-def _text_lines(path: Path, cap: int = MIN_ROW_BYTES) -> Iterator[tuple[int, Union[str, _Oversized]]]:
+def _text_lines(path: Union[Path, RemoteFile], cap: int = MIN_ROW_BYTES) \
+        -> Iterator[tuple[int, Union[str, _Oversized]]]:
     """A plain-text corpus's non-blank lines. CRLF, LF and a lone CR each end a line (universal
     newlines, as Python's text mode and the usual editors read text): a file from classic Mac OS
     tools is as many rows as it has lines, not one. Bytes that are not UTF-8 are kept as surrogate
     escapes, so that only their line fails."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rb") as raw:
+    with _open_decompressed(path) as raw:
         f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None)
         for index, line in _capped_lines(f, cap, "\n"):
             if isinstance(line, _Oversized):
@@ -615,6 +720,7 @@ def _unique_keys(pairs: list) -> dict:
 
 
 _SCANNED: dict = {}
+SCANS_KEPT = 1024  # CSV scans kept (one a file): a corpus of many parts is opened more than once too
 
 
 def _stat_key(path: Path) -> tuple[int, int]:

@@ -49,7 +49,8 @@ def adopt_legacy_fingerprint(out: OutputDir, cfg: RunConfig, corpus: Corpus, fin
     old = recorded.get("fingerprint", {})
     changed = []
     was = old.get("corpus") or {}
-    if "sha256_head_tail" in was and was == {"name": corpus.path.name, **file_fingerprint(corpus.path)}:
+    if "sha256_head_tail" in was and isinstance(corpus, Corpus) and \
+            was == {"name": corpus.path.name, **file_fingerprint(corpus.path)}:
         old["corpus"] = fingerprint["corpus"]
         changed.append("the corpus fingerprint now covers the whole file")
     for part, key in (("engine", "device"), ("columns", "format")):

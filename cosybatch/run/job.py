@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..metrics import BatchHistogram
 from ..qc.gate import QCCounts
+from ..sources import describe
 from ..stats import Progress, Stats, failure_summary
 from ..store.checkpoint import FAILURES_FILE, RUN_FILE, STATS_FILE, OutputDir, ResumeState, json_bytes, write_atomic
 from .fingerprint import adopt_legacy_fingerprint, job_fingerprint
@@ -195,7 +196,7 @@ class Job:
         if was is not None:
             log.info("resuming %s: %d items done, %d failed before", cfg.output.folder, state.items, state.failures)
         write_atomic(self.out.state / RUN_FILE, json_bytes({
-            "pid": os.getpid(), "started": time.time(), "corpus": str(cfg.input.corpus.resolve()),
+            "pid": os.getpid(), "started": time.time(), "corpus": describe(cfg.input.corpus),
             "total_rows": self._total_rows(corpus), "total_is_estimate": cfg.output.shard_count is not None,
             "shard": None if cfg.output.shard_count is None else [cfg.output.shard_index, cfg.output.shard_count]}))
         return state, resumed.committed

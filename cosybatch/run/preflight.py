@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from ..config import RunConfig
 from ..corpus import Columns, Corpus
 from ..engines import engine_check
 from ..errors import UsageError
+from ..sources import PartedCorpus
+from ..sources import open_corpus as open_source
 from ..store.distributed import part_name
 
 log = logging.getLogger("cosybatch")
@@ -75,8 +77,9 @@ def configure_gpu_allocator(cfg: RunConfig) -> None:
             log.warning(note)
 
 
-def open_corpus(cfg: RunConfig) -> Corpus:
-    return Corpus(cfg.input.corpus, Columns(
+def open_corpus(cfg: RunConfig) -> Union[Corpus, PartedCorpus]:
+    """The job's corpus: one file, or the parts of a folder, a glob or a URI (cosybatch.sources)."""
+    return open_source(cfg.input.corpus, Columns(
         id=cfg.input.id_col or "id", text=cfg.input.text_col, voice=cfg.input.voice_col or "voice",
         id_required=cfg.input.id_col is not None, voice_required=cfg.input.voice_col is not None,
         # An engine may read another column as the voice when there is no voice column.

@@ -153,8 +153,10 @@ def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
 def read_rows(corpus: Corpus) -> Iterator[Union[Row, BadRow]]:
     """The corpus in file order, with the same row checks as `Corpus`. Parquet is read through
     Ray Data. JSONL is read by the driver itself: Ray's text reader splits lines on every Unicode
-    line break (U+0085, U+2028...), which would cut rows apart and renumber the rest."""
-    if corpus.format != "parquet":
+    line break (U+0085, U+2028...), which would cut rows apart and renumber the rest. A corpus of
+    parts (a folder, a glob, a URI) is streamed by the driver too, part by part: its default ids
+    name the part, which Ray Data's rows would not."""
+    if corpus.format != "parquet" or not isinstance(corpus, Corpus):
         yield from corpus
         return
     import ray.data

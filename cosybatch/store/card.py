@@ -189,7 +189,9 @@ def card_text(root: Path, license: str = "unknown") -> Optional[str]:
         lines.append(f"| cosybatch | {', '.join(versions)} |")
     corpus = fingerprint.get("corpus") or {}
     if corpus.get("name"):
+        parts = corpus.get("parts")
         lines.append(f"| corpus | {corpus['name']}" + (f" (sha256 `{corpus['sha256']}`)" if corpus.get("sha256")
+                                                        else f" ({len(parts)} parts)" if isinstance(parts, dict)
                                                         else "") + " |")
     settings = {k: v for k, v in engine.items() if k not in SHOWN_ELSEWHERE}
     settings.update({k: fingerprint[k] for k in ("seed", "sentence_silence", "normalize") if k in fingerprint})

@@ -534,6 +534,24 @@ def _headline(old: dict, new: dict, diffs: list[str]) -> str:
     if job_kind(old) != job_kind(new):
         return f"this folder holds a `cosybatch {job_kind(old)}` job; this is `cosybatch {job_kind(new)}`"
     if all(d.startswith("corpus.") for d in diffs):
+        parts = _parts_changed(at(old, "corpus", "parts"), at(new, "corpus", "parts"))
+        if parts:
+            return f"this folder was made from another version of the corpus {at(new, 'corpus', 'name')} ({parts})"
         return f"this folder was made from another version of the corpus ({at(new, 'corpus', 'name')} changed)"
     names = sorted({d.split(" was ", 1)[0].rsplit(".", 1)[-1] for d in diffs})
     return "this run's settings differ from the job in this folder: " + ", ".join(names)
+
+
+def _parts_changed(old, new, shown: int = 5) -> Optional[str]:
+    """Which parts of a corpus of parts were added, removed or changed ("part b.parquet changed,
+    part d.parquet added"), at most `shown` of each named; None unless both are corpora of parts."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return None
+    said = []
+    for what, names in (("changed", sorted(n for n in new if n in old and new[n] != old[n])),
+                        ("added", sorted(n for n in new if n not in old)),
+                        ("removed", sorted(n for n in old if n not in new))):
+        if names:
+            listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+            said.append(f"{'parts' if len(names) > 1 else 'part'} {listed} {what}")
+    return "; ".join(said) or None
