@@ -52,8 +52,9 @@ def build(root: Path, items: int, shard_items: int, batch: int) -> None:
     """A finished folder of `items` committed items, as a run leaves it."""
     import hashlib
 
+    from cosybatch.store.audio import encode
     from cosybatch.store.checkpoint import OutputDir, jsonl_bytes
-    from cosybatch.store.shards import ShardWriter, item_key, wav_bytes
+    from cosybatch.store.shards import ShardWriter, item_key, pcm16
 
     out = OutputDir(root)
     out.state.mkdir(parents=True)
@@ -67,7 +68,7 @@ def build(root: Path, items: int, shard_items: int, batch: int) -> None:
             records = []
             for item_id in ids[at:at + batch]:
                 audio = rng.uniform(-0.5, 0.5, 160).astype(np.float32)  # 10 ms at 16 kHz
-                wav = wav_bytes(audio, 16000)
+                wav = encode(pcm16(audio), 16000)
                 digest = hashlib.sha256(wav).hexdigest()
                 meta = {"id": item_id, "text": "Synthetic.", "duration": 0.01, "sample_rate": 16000,
                         "num_samples": 160, "voice": "tone", "engine": "tone", "seed": 0, "row": int(item_id[1:]),

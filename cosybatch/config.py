@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 from .engines import DEFAULT_ENGINE
 from .errors import UsageError
+from .store.audio import FORMATS
 
 
 def cpu_count() -> int:
@@ -230,8 +231,8 @@ class BatchingConfig:
 
 
 EXPORT_FORMATS = ("hf", "nemo", "lhotse", "shar")  # cosybatch.store.exports.FORMATS
-AUDIO_FORMATS = ("wav", "flac", "opus")  # cosybatch.store.audio.FORMATS
-AUDIO_BITRATES = {"opus": 32}  # the lossy formats' default kbit/s
+AUDIO_FORMATS = tuple(FORMATS)
+AUDIO_BITRATES = {name: f.bitrates[0] for name, f in FORMATS.items() if f.lossy}  # the lossy formats' default kbit/s
 
 
 @dataclass(frozen=True)

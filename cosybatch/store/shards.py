@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import os
 import re
 import tarfile
@@ -61,23 +60,6 @@ def as_committed(audio: np.ndarray) -> np.ndarray:
 def committed_pcm(committed: np.ndarray) -> np.ndarray:
     """`as_committed`'s float32 -> the very 16-bit samples it was made from."""
     return np.clip(np.round(np.asarray(committed, dtype=np.float64) * 32768.0), -32768, 32767).astype(np.int16)
-
-
-def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
-    """Audio -> 16-bit PCM WAV file bytes: int16 samples as they are, float audio in [-1, 1] by `pcm16`."""
-    import soundfile
-
-    audio = np.asarray(audio)
-    pcm = audio if audio.dtype == np.int16 else pcm16(audio)
-    buf = io.BytesIO()
-    soundfile.write(buf, pcm, sample_rate, subtype="PCM_16", format="WAV")
-    return buf.getvalue()
-
-
-def wav_checksum(wav: bytes) -> str:
-    """`wav_sha256`: what the writer records for a WAV member and what verify and the repair compare
-    it with (hex sha256 of the member's bytes)."""
-    return hashlib.sha256(wav).hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
