@@ -244,14 +244,18 @@ app.command("ray-run", epilog=EXIT_CODES_HELP)(ray_run_cmd)
 
 @app.command()
 def status(
-    out: Path = typer.Argument(..., help="A job's output folder (or a sharded job's root)."),
+    out: str = typer.Argument(..., help="A job's output folder (or a sharded job's root), or its store URI."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a line of text."),
 ) -> None:
     """Show done/failed/total, rate and ETA of a running or finished job without disturbing it."""
+    from .store.objects import job_view
     from .store.status import describe, job_status
 
     try:
-        result = job_status(out)
+        with job_view(out) as folder:
+            result = job_status(folder)
+            if folder != Path(out):  # a store's job, read in a local view
+                result["root"] = out
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
     _print(json.dumps(result) if as_json else describe(result))
@@ -259,16 +263,18 @@ def status(
 
 @app.command("verify")
 def verify_cmd(
-    out: Path = typer.Argument(..., help="A job's output folder (or a sharded job's root)."),
+    out: str = typer.Argument(..., help="A job's output folder (or a sharded job's root), or its store URI."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     """Read every shard whole and check it against the manifest: each id in exactly one readable
     pair of audio member (KEY.wav, KEY.flac, ...) and KEY.json with the manifest's length. Exit 0
     when all is well, 3 listing each problem otherwise."""
+    from .store.objects import job_view
     from .store.verify import describe, verify
 
     try:
-        result = verify(out)
+        with job_view(out, shards=True) as folder:  # a store's shards are read in a local copy
+            result = verify(folder)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
     _print(json.dumps(result) if as_json else describe(result))
@@ -277,7 +283,8 @@ def verify_cmd(
 
 @app.command("qc")
 def qc_cmd(
-    out: Path = typer.Argument(..., help="A finished job's output folder, one part of a sharded job, or its root."),
+    out: str = typer.Argument(..., help="A finished job's output folder, one part of a sharded job, or its root; "
+                              "or its store URI."),
     asr: bool = typer.Option(False, "--asr", help="Also transcribe with Whisper and score CER/WER (the "
                              "cosybatch[qc] extra)."),
     asr_rows: str = typer.Option("all", "--asr-rows", help="With --asr: all, flagged or sample."),
@@ -294,6 +301,7 @@ def qc_cmd(
     OUT/qc.parquet (one row per clip) and OUT/report.html, and never touches the shards."""
     from .qc.audit import audit
     from .qc.gate import Limits, QCSettings
+    from .store.objects import job_view
 
     try:
         settings = QCSettings("asr" if asr else "gate", asr_rows, sample, 0, "drop", Limits(max_cer=max_cer))
@@ -302,7 +310,9 @@ def qc_cmd(
             from .qc.asr import Transcriber, ready_model
 
             transcriber = Transcriber(ready_model(asr_model), device)
-        summary = audit(out, settings, transcriber, seed=seed, report=report)
+        with job_view(out, shards=True, upload=("qc.parquet", "report.html", "part-*/qc.parquet",
+                                                "part-*/report.html")) as folder:
+            summary = audit(folder, settings, transcriber, seed=seed, report=report)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
     if as_json:
@@ -310,7 +320,7 @@ def qc_cmd(
     else:
         _print(f"{summary['clips']} clips scored: {summary['flagged']} flagged, {summary['failed']} fail the gate"
                + (f", {summary['transcribed']} transcribed (mean CER {summary['cer_mean']})" if asr else "")
-               + f"; wrote {Path(out) / 'qc.parquet'}" + (f" and {Path(out) / 'report.html'}" if report else ""))
+               + f"; wrote {out.rstrip('/')}/qc.parquet" + (f" and {out.rstrip('/')}/report.html" if report else ""))
 
 
 @app.command("doctor")
@@ -390,25 +400,27 @@ def engines_cmd(
 
 @app.command()
 def merge(
-    root: Path = typer.Argument(..., help="The --out folder of a job run with --shard."),
+    root: str = typer.Argument(..., help="The --out folder (or store URI) of a job run with --shard."),
     partial: bool = typer.Option(False, "--partial", help="Merge the finished parts even if some are not."),
 ) -> None:
     """Present the workers' outputs of a sharded job as one dataset: ROOT/manifest.parquet, and its
     card ROOT/README.md."""
     from .store.card import write_card
     from .store.distributed import merge as merge_parts
+    from .store.objects import job_view
 
-    try:
-        result = merge_parts(root, allow_partial=partial)
+    try:  # a store's parts are merged from their records: no shard is downloaded
+        with job_view(root, upload=("manifest.parquet", "failures.jsonl", "stats.json", "README.md")) as folder:
+            result = merge_parts(folder, allow_partial=partial)
+            write_card(folder)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    write_card(root)
     _print(json.dumps(result))
 
 
 @app.command("export")
 def export_cmd(
-    out: Path = typer.Argument(..., help="A finished output folder (or a sharded job's root)."),
+    out: str = typer.Argument(..., help="A finished output folder (or a sharded job's root), or its store URI."),
     to: str = typer.Option(..., "--to", help="Comma-separated formats: hf, nemo, lhotse, shar (Lhotse Shar)."),
     copy: bool = typer.Option(False, "--copy", help="NeMo and Lhotse: copy the audio out as loose files "
                               "(exports/wavs/KEY.wav, KEY.flac, ...: the shards' format) instead of pointing "
@@ -417,12 +429,15 @@ def export_cmd(
     """Write the dataset in other formats under OUT/exports/, and its card OUT/README.md."""
     from .store.card import write_card
     from .store.exports import export
+    from .store.objects import job_view
 
     try:
-        written = {fmt: str(export(out, fmt.strip(), copy=copy)) for fmt in to.split(",") if fmt.strip()}
+        with job_view(out, shards=True, upload=("exports", "README.md")) as folder:
+            written = {fmt: str(export(folder, fmt.strip(), copy=copy)).replace(str(folder), out.rstrip("/"), 1)
+                       for fmt in to.split(",") if fmt.strip()}
+            write_card(folder)
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
-    write_card(out)
     _print(json.dumps(written))
 
 

@@ -242,7 +242,8 @@ class OutputConfig:
     SECTION = "output"
 
     folder: Path
-    """Output folder: shards, manifest, stats; rerunning on it resumes."""
+    """Output folder: shards, manifest, stats; rerunning on it resumes. Or a store URI (s3://BUCKET/PREFIX,
+    gs://BUCKET/PREFIX): the dataset is written there, and this becomes the local staging folder."""
     sentence_silence_s: float = bounded(0.0, 0, 60)
     """Seconds of silence inserted between the sentences of one row (0 to 60)."""
     normalize: bool = True
@@ -276,13 +277,38 @@ class OutputConfig:
     allow_corpus_change: bool = False
     """Resume although the corpus file changed: committed ids are kept, new ids synthesised, and
     committed rows that changed or went are listed in corpus_changes.jsonl."""
+    store: Optional[str] = None
+    """The object-storage URI the dataset is written to (from an --out URI); None for a folder."""
+    staging: Optional[Path] = None
+    """With --out in object storage: the local folder for the open shard and the journal (default: under the user's
+    cache, one per URI)."""
+    lease_s: float = bounded(60.0, 2, 3600)
+    """With --out in object storage: seconds a run's lease on the prefix lasts unrenewed (2 to 3600); a rerun
+    after a kill waits this long for the old run's lease to lapse."""
     shard_index: Optional[int] = None
     """This worker's shard (0-based) when the corpus is split over shard_count workers (0 to shard_count - 1)."""
     shard_count: Optional[int] = bounded(None, 1, 100_000, integer=True)
     """Number of workers the corpus is split over by a stable hash of each id (1 to 100_000)."""
 
     def __post_init__(self) -> None:
+        from .sources import is_uri
+
+        if is_uri(str(self.folder)):
+            if not str(self.folder).lower().startswith(("s3://", "gs://", "gcs://", "file://")):
+                raise UsageError(f"--out {self.folder}: an output URI is s3://BUCKET/PREFIX or gs://BUCKET/PREFIX "
+                                 "(or file:///PATH)")
+            from .store.objects import default_staging
+
+            store = str(self.folder).rstrip("/")
+            object.__setattr__(self, "store", store)
+            object.__setattr__(self, "folder", Path(self.staging) if self.staging is not None
+                               else default_staging(store))
+        elif self.staging is not None and self.store is None:
+            raise UsageError("--staging is for an --out in object storage (s3://..., gs://...); a local --out folder "
+                             "is written in place")
         object.__setattr__(self, "folder", Path(self.folder))
+        if self.staging is not None:
+            object.__setattr__(self, "staging", Path(self.staging))
         object.__setattr__(self, "exports", tuple(self.exports))
         _check_bounds(self)
         if (self.shard_index is None) != (self.shard_count is None):
@@ -446,7 +472,8 @@ FLAT: dict[str, tuple[str, str]] = {
     "shard_count": ("output", "shard_count"), "metrics_file": ("ops", "metrics_file"),
     "pushgateway": ("ops", "pushgateway"), "metrics_job": ("ops", "metrics_job"), "export": ("output", "exports"),
     "export_copy": ("output", "export_copy"), "restart": ("output", "restart"),
-    "allow_corpus_change": ("output", "allow_corpus_change"), "qc": ("quality", "mode"),
+    "allow_corpus_change": ("output", "allow_corpus_change"), "staging": ("output", "staging"),
+    "lease": ("output", "lease_s"), "qc": ("quality", "mode"),
     "qc_asr_rows": ("quality", "asr_rows"), "qc_sample": ("quality", "sample"),
     "qc_asr_model": ("quality", "asr_model"), "qc_max_cer": ("quality", "max_cer"),
     "qc_max_wer": ("quality", "max_wer"), "qc_retries": ("quality", "retries"),
@@ -516,7 +543,10 @@ class RunConfig:
     def options(self) -> dict[str, Any]:
         """Flat option name -> value, as `from_options` takes them (`from_options(**cfg.options())`
         is `cfg`)."""
-        return {name: getattr(getattr(self, section), field_name) for name, (section, field_name) in FLAT.items()}
+        found = {name: getattr(getattr(self, section), field_name) for name, (section, field_name) in FLAT.items()}
+        if self.output.store is not None:  # the folder is the store's staging
+            found["out"] = self.output.store
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         """The flat options as plain data (nested value objects as dicts), for JSON."""
@@ -629,7 +659,7 @@ def run_options() -> dict[str, RunOption]:
         hint = typing.get_type_hints(SECTIONS[section])[field_name]
         default = f.default if f.default is not dataclasses.MISSING else None
         if flat == "out":
-            hint = Optional[Path]  # from the corpus name when unset
+            hint = Optional[str]  # a folder or a store URI; from the corpus name when unset
         found[flat] = RunOption(hint, default, docs[flat], section)
     found.update({
         "engine_opt": RunOption(Optional[list[str]], None, "An engine setting KEY=VALUE (repeatable); "

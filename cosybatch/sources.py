@@ -202,7 +202,7 @@ def _glob_parts(base: Path, pattern: str) -> list[Part]:
 # -- stores ---------------------------------------------------------------------------------------
 
 
-def _redacted(uri: str) -> str:
+def redacted(uri: str) -> str:
     split = urlsplit(uri)
     host = split.hostname or ""
     return f"{split.scheme}://{host}{split.path}" + ("?..." if split.query else "")
@@ -220,7 +220,7 @@ def store_for(uri: str):
     split = urlsplit(uri)
     query = {k.lower() for k, _ in parse_qsl(split.query)}
     if split.username or split.password or query & set(SECRET_QUERY_KEYS):
-        raise UsageError(f"{_redacted(uri)}: the URI holds credentials, and the corpus URI is recorded in the "
+        raise UsageError(f"{redacted(uri)}: the URI holds credentials, and the corpus URI is recorded in the "
                          "output folder; give them the usual way instead (AWS_ACCESS_KEY_ID and "
                          "AWS_SECRET_ACCESS_KEY, a profile, or the machine's role; GOOGLE_APPLICATION_CREDENTIALS)")
     from pyarrow import fs as pafs
@@ -237,13 +237,15 @@ def store_for(uri: str):
         fs, path = pafs.FileSystem.from_uri(uri)
         return fs, path.strip("/")
     except (ValueError, OSError) as exc:  # ArrowInvalid is a ValueError
-        raise UsageError(f"{_redacted(uri)}: pyarrow cannot open this store ({exc}). A corpus is a local path, "
+        raise UsageError(f"{redacted(uri)}: pyarrow cannot open this store ({exc}). A corpus is a local path, "
                          "or a URI pyarrow.fs reads: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, file:///PATH") from None
 
 
-def _store_error(uri: str, bucket: str, exc: BaseException) -> UsageError:
+def store_error(uri: str, bucket: str, exc: BaseException, what: str = "list the corpus") -> UsageError:
+    """A store that refused a request (no such bucket, bad credentials, no endpoint), as a usage
+    error naming what to check."""
     endpoint = _endpoint()
-    return UsageError(f"{_redacted(uri)}: cannot list the corpus in bucket {bucket!r} ({str(exc)[:300]}). Check the "
+    return UsageError(f"{redacted(uri)}: cannot {what} in bucket {bucket!r} ({str(exc)[:300]}). Check the "
                       "bucket's name, the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile or "
                       "the machine's role; GOOGLE_APPLICATION_CREDENTIALS for gs://) and the endpoint "
                       f"(AWS_ENDPOINT_URL: {endpoint or 'not set, so AWS itself'})")
@@ -261,11 +263,11 @@ def _remote_parts(uri: str) -> tuple[str, list[Part]]:
         path, pattern = _split_glob(path)
     bucket = path.split("/", 1)[0]
     if not bucket:
-        raise UsageError(f"{_redacted(uri)}: name a bucket, then the prefix, object or glob in it "
+        raise UsageError(f"{redacted(uri)}: name a bucket, then the prefix, object or glob in it "
                          f"({scheme}://BUCKET/PREFIX/)")
     try:
         if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-            raise UsageError(f"{_redacted(uri)}: the bucket {bucket!r} does not exist (or these credentials cannot "
+            raise UsageError(f"{redacted(uri)}: the bucket {bucket!r} does not exist (or these credentials cannot "
                              f"see it). Check the URI, the credentials and AWS_ENDPOINT_URL "
                              f"({_endpoint() or 'not set, so AWS itself'})")
         info = fs.get_file_info(path)
@@ -279,7 +281,7 @@ def _remote_parts(uri: str) -> tuple[str, list[Part]]:
     except UsageError:
         raise
     except OSError as exc:
-        raise _store_error(uri, bucket, exc) from None
+        raise store_error(uri, bucket, exc) from None
     parts = []
     for found in listed:
         name = found.path[len(root):].lstrip("/")
@@ -313,7 +315,7 @@ def _ask_versions(fs, files: list[RemoteFile], uri: str, bucket: str) -> None:
                 if version:
                     file.version = version
     except OSError as exc:
-        raise _store_error(uri, bucket, exc) from None
+        raise store_error(uri, bucket, exc) from None
 
 
 # -- many parts as one corpus ---------------------------------------------------------------------

@@ -6,6 +6,11 @@ import contextlib
 import ctypes
 import gc
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +107,42 @@ def tone():
         return RunConfig.from_options(corpus=corpus, out=out, **{"engine": "tone", "progress": "none", **settings})
 
     return config
+
+
+# -- a real S3 API (moto's standalone server) -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3_server(tmp_path):
+    """moto's standalone S3 server on a free loopback port, for this test only: its endpoint URL."""
+    exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which("moto_server")
+    if exe is None:
+        pytest.fail("moto_server is missing: pip install -e '.[test]' (it holds moto[server])")
+    port = _free_port()
+    log = open(tmp_path / "moto.log", "wb")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "moto.log").read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "moto_server did not open its port in 60 s"
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -159,3 +159,34 @@ def assert_exactly_once(out: Path, expected_ids) -> dict:
     result = verify(out)
     assert result["ok"], result
     return items
+
+
+# -- object storage (moto's S3 server, the s3_server fixture) -----------------------------------------
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def s3_fs(endpoint: str):
+    """pyarrow's S3 client for the test server, with the tests' credentials."""
+    from pyarrow import fs as pafs
+
+    return pafs.S3FileSystem(endpoint_override=endpoint.split("://")[1], scheme="http", access_key="testing",
+                             secret_key="testing", region="us-east-1", allow_bucket_creation=True)
+
+
+def download_prefix(fs, prefix: str, dest: Path) -> dict[str, int]:
+    """Every object under BUCKET/PREFIX, byte for byte, into DEST (names relative to the prefix);
+    returns name -> size."""
+    from pyarrow import fs as pafs
+
+    found = {}
+    for info in fs.get_file_info(pafs.FileSelector(prefix, recursive=True, allow_not_found=True)):
+        if info.type != pafs.FileType.File:
+            continue
+        name = info.path[len(prefix):].lstrip("/")
+        path = dest / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open_input_stream(info.path, compression=None) as f:
+            path.write_bytes(f.read())
+        found[name] = info.size
+    return found

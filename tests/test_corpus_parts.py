@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import assert_exactly_once, cli, read_output, write_jsonl
+from helpers import S3_ENV, assert_exactly_once, cli, read_output, write_jsonl
 
 from cosybatch.config import RunConfig
 from cosybatch.corpus import BadRow, Row
@@ -200,43 +195,6 @@ def test_shards_split_the_parts_rows_by_id(tmp_path):
 # -- a real S3 API -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def s3_server(tmp_path):
-    """moto's standalone S3 server on a free loopback port, for this test only: its endpoint URL."""
-    exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which("moto_server")
-    if exe is None:
-        pytest.fail("moto_server is missing: pip install -e '.[test]' (it holds moto[server])")
-    port = _free_port()
-    log = open(tmp_path / "moto.log", "wb")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "moto.log").read_text()
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "moto_server did not open its port in 60 s"
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.mark.slow

@@ -29,8 +29,10 @@ DONE = object()  # put on a queue: no more work
 
 class Committer:
     def __init__(self, cfg: RunConfig, journal: Journal, state: ResumeState, line: RowLine,
-                 report: Callable[[Committed], None], stop: threading.Event, uncommitted: threading.Semaphore):
+                 report: Callable[[Committed], None], stop: threading.Event, uncommitted: threading.Semaphore,
+                 on_sealed: Optional[Callable[[int], None]] = None):
         self.cfg, self.journal, self.line, self.report = cfg, journal, line, report
+        self.on_sealed = on_sealed  # a sealed shard's index, for the upload to object storage
         self.stop, self.uncommitted = stop, uncommitted
         self.shard = ShardWriter(cfg.output.folder, state.open_shard, state.open_offset, state.open_items) \
             if state.open_shard is not None else None
@@ -104,6 +106,8 @@ class Committer:
         self.shard.close()
         self.journal.append({"t": "closed", "shard": index, "items": items})
         self.shard = None
+        if self.on_sealed is not None:
+            self.on_sealed(index)
 
     def finish(self, interrupted: bool) -> None:
         """Close the open shard when the run is done; leave it for the resume when not."""

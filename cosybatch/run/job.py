@@ -34,6 +34,7 @@ from ..qc.gate import QCCounts
 from ..sources import describe
 from ..stats import Progress, Stats, failure_summary
 from ..store.checkpoint import FAILURES_FILE, RUN_FILE, STATS_FILE, OutputDir, ResumeState, json_bytes, write_atomic
+from ..store.objects import ObjectSink, open_sink
 from .fingerprint import adopt_legacy_fingerprint, job_fingerprint
 from .folder import claimed
 from .line import Admission
@@ -84,19 +85,28 @@ def run_job(cfg: RunConfig, runner: Runner) -> RunResult:
     cfg = runner.check(cfg)  # what `run --check` checks, before anything is written
     _, asr_model = preflight(cfg, runner.device(cfg))
     with claimed(cfg.output.folder) as out:
+        sink = None
         try:
-            return Job(cfg, out, runner, asr_model).run()
+            sink = open_sink(cfg, out)  # --out in object storage: staging synced with the store, lease taken
+            result = Job(cfg, out, runner, asr_model, sink).run()
+            if sink is not None:
+                sink.finish(result.status)  # the last uploads and commit, then the job's files
+            return result
         finally:
             runner.close()
+            if sink is not None:
+                sink.close()
 
 
 class Job:
     """One run of a job: set-up and resume, the runner's dispatch, signals and --max-runtime,
     the failure limit, and the end (manifest, checks, stats, metrics, exports)."""
 
-    def __init__(self, cfg: RunConfig, out: OutputDir, runner: Runner, asr_model: Optional[Path] = None):
+    def __init__(self, cfg: RunConfig, out: OutputDir, runner: Runner, asr_model: Optional[Path] = None,
+                 sink: Optional[ObjectSink] = None):
         self.cfg = cfg
         self.out = out
+        self.sink = sink  # the object store the job lives in, for --out s3://...; None for a folder
         self.runner = runner
         self.asr_model = asr_model
         self.stats = Stats()
@@ -256,7 +266,8 @@ class Job:
         if self.qc_settings.mode != "off":
             self.stats.qc = self.qc_counts.summary(self.qc_settings)
         return self.stats.to_dict(
-            status=status, out=str(cfg.output.folder), **self.runner.describe(), cosybatch=__version__,
+            status=status, out=cfg.output.store or str(cfg.output.folder), **self.runner.describe(),
+            cosybatch=__version__,
             cold_start_seconds=round(self.stats.stage_s["load"], 3),
             shard=None if cfg.output.shard_count is None else [cfg.output.shard_index, cfg.output.shard_count],
             last_success_timestamp_seconds=self.last_success,
@@ -318,6 +329,9 @@ class Job:
         corpus_error = dispatched.corpus_error
         status = ("too_many_failures" if too_many_failures else "interrupted" if interrupted
                   else "damaged" if problems else "corpus_error" if corpus_error else "complete")
+        if status == "complete" and self.sink is not None and (cfg.output.exports or self.qc_settings.mode != "off"):
+            self.sink.drain()  # the exports and the report read the audio: every shard back in staging
+            self.sink.fetch_shards()
         if status == "complete" and cfg.output.exports:
             from ..store.exports import export
 

@@ -136,7 +136,8 @@ class LocalRunner(Runner):
         # Batches dispatched but not yet committed, wherever they are (queued, computing, waiting
         # in the results queue or the reorder buffer): bounded, so audio never piles up in memory.
         self.uncommitted = threading.Semaphore(4 * self.workers + 4)
-        self.committer = Committer(cfg, self.journal, self.state, self.line, job.report, stop, self.uncommitted)
+        self.committer = Committer(cfg, self.journal, self.state, self.line, job.report, stop, self.uncommitted,
+                                   on_sealed=job.out.sealed_hook)
 
         work: queue.Queue = queue.Queue(maxsize=2 * self.workers)
         results: queue.Queue = queue.Queue()

@@ -48,6 +48,9 @@ def part_config(cfg: RunConfig) -> RunConfig:
     metrics = cfg.ops.metrics_file
     if metrics is not None:  # workers sharing a volume must not overwrite each other's file
         metrics = metrics.with_name(f"{metrics.stem}.{part}{metrics.suffix}")
+    if cfg.output.store is not None:  # the part's own prefix, staged in a folder of the job's staging
+        return cfg.with_options(out=f"{cfg.output.store}/{part}", staging=cfg.output.folder / part,
+                                metrics_file=metrics)
     return cfg.with_options(out=cfg.output.folder / part, metrics_file=metrics)
 
 

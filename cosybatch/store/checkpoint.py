@@ -22,7 +22,7 @@ import re
 import stat
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -44,6 +44,7 @@ RUN_FILE = "run.json"  # under .cosybatch/: pid, start time and row total of the
 RAY_FAILURES_DIR = "ray-failures"  # under .cosybatch/: ray-run failure records, one file per chunk
 DAMAGED_DIR = "damaged"  # under .cosybatch/: shards a rerun could not use, kept for inspection
 QUARANTINE_DIR = "quarantine"  # under .cosybatch/: bytes that are not this job's (foreign shards), set aside
+STORED_FILE = "stored.json"  # under .cosybatch/: shards committed to the job's object store, index -> size (objects.py)
 CORPUS_CHANGES_FILE = "corpus_changes.jsonl"  # committed ids whose row changed or went (--allow-corpus-change)
 JOB_FORMAT = 1
 
@@ -263,6 +264,18 @@ class OutputDir:
         self.job_file = self.state / JOB_FILE
         self.journal_path = self.state / JOURNAL_FILE
         self._lock_fd: Optional[int] = None
+        # Called with a shard's index once it is sealed (closed and journaled): a run to object
+        # storage uploads it then (objects.ObjectSink). None for a folder.
+        self.sealed_hook: Optional[Callable[[int], None]] = None
+
+    def stored(self) -> dict[int, int]:
+        """Shards that live in the job's object store, not here: index -> size in the store. Empty
+        for a folder; a staging folder's (or a store's materialised view's) from objects.py."""
+        try:
+            found = json.loads((self.state / STORED_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {int(k): int(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
     # -- ownership ---------------------------------------------------------------------------
     def lock(self) -> None:
@@ -361,7 +374,7 @@ class OutputDir:
         shutil.rmtree(self.state / RAY_FAILURES_DIR, ignore_errors=True)
         shutil.rmtree(self.state / DAMAGED_DIR, ignore_errors=True)
         shutil.rmtree(self.state / QUARANTINE_DIR, ignore_errors=True)
-        for name in (JOB_FILE, JOURNAL_FILE, RUN_FILE):
+        for name in (JOB_FILE, JOURNAL_FILE, RUN_FILE, STORED_FILE):
             (self.state / name).unlink(missing_ok=True)
 
     # -- resume ------------------------------------------------------------------------------

@@ -80,7 +80,10 @@ def repair(out: OutputDir, journal: Journal, admit: Optional[Admit] = None) -> R
     quarantined: list[dict] = []
     ledger = Ledger.replay(out.journal_path)
     batches = _batches_by_shard(out)
+    stored = out.stored()  # in the job's object store, uploaded whole and size-checked before their commit
     for index in sorted(set(ledger.shards) | set(shard_indices(out.root))):
+        if index in stored:
+            continue
         shard = ledger.shards.get(index)
         final = out.root / shard_name(index)
         partial = final.with_name(final.name + ".partial")
@@ -413,7 +416,12 @@ def check_sizes(out: OutputDir, ledger: Optional[Ledger] = None) -> list[str]:
         if not shard.closed and (items or shard.end):
             problems.append(f"{final.name} was never finished ({items} items committed to its .partial)")
         elif not final.exists():
-            if items or shard.end:
+            stored = out.stored()  # read after the miss: an upload records its shard before the local copy goes
+            if index in stored:
+                if stored[index] != shard.end + EOA_BYTES:
+                    problems.append(f"{final.name} is {stored[index]} B in the store; the journal says "
+                                    f"{shard.end + EOA_BYTES} B")
+            elif items or shard.end:
                 problems.append(f"{final.name} is missing; the journal has {items} items in it")
         elif final.stat().st_size != shard.end + EOA_BYTES:
             problems.append(f"{final.name} is {final.stat().st_size} B; the journal says {shard.end + EOA_BYTES} B")

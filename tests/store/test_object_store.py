@@ -1,0 +1,273 @@
+"""Datasets written to object storage (cosybatch.store.objects), against a real S3-API server
+(moto's, started per test): a run to s3:// commits each shard only after its upload, a kill -9
+in the middle of a multipart upload loses nothing and duplicates nothing whether the rerun has
+the old staging folder or an empty one (a second machine), two workers of a sharded job stage on
+two "machines" and `merge` runs on the URI, the lease keeps a second writer out, and a missing
+bucket or bad credentials are refused before any work. What the store holds is read back by
+listing and reading its objects, never through cosybatch."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import soundfile
+from helpers import S3_ENV, cli, corpus_rows, download_prefix, last_json, s3_fs, write_jsonl
+
+from cosybatch.errors import OutputError, UsageError
+from cosybatch.store.objects import LEASE, Lease, Store
+
+pytestmark = pytest.mark.slow
+
+# More than one part of a multipart upload (pyarrow's S3 client sends 5 MiB parts), so that the
+# killed upload has sent data, not only opened.
+MULTIPART_BYTES = 6 << 20
+
+# `python -m cosybatch` whose upload of one shard (HANG_ON) sends MULTIPART_BYTES of a multipart
+# upload, says so in a file (HANG_MARK) and waits there to be killed.
+HANGING_UPLOAD = f"""
+import os, sys, time
+from cosybatch.store import objects
+
+real = objects.Store.upload
+
+def upload(self, path, name):
+    if name != os.environ["HANG_ON"]:
+        return real(self, path, name)
+    with self._output(name) as stream:
+        stream.write(b"\\0" * {MULTIPART_BYTES})
+        open(os.environ["HANG_MARK"], "w").close()
+        time.sleep(3600)
+
+objects.Store.upload = upload
+from cosybatch.__main__ import main
+sys.argv = ["cosybatch", *sys.argv[1:]]
+main()
+"""
+
+
+def env_for(endpoint: str) -> dict:
+    return {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
+
+
+def bucket(endpoint: str, name: str = "speech"):
+    fs = s3_fs(endpoint)
+    fs.create_dir(name)
+    return fs
+
+
+def run_to(corpus: Path, uri: str, staging: Path, endpoint: str, *extra) -> subprocess.CompletedProcess:
+    return cli("run", corpus, "--out", uri, "--staging", staging, "--engine", "tone", "--progress", "none",
+               "--shard-max-items", "2", "--lease", "2", *extra, env=env_for(endpoint))
+
+
+def store_items(fs, prefix: str, dest: Path) -> dict[str, dict]:
+    """The dataset in the store as a trainer reads it: the manifest, and each item it lists read
+    from its shard object (every audio member decodes to its length); fails on an id listed twice
+    or an item whose shard does not hold it."""
+    download_prefix(fs, prefix, dest)
+    manifest = pq.read_table(dest / "manifest.parquet").to_pylist()
+    ids = [r["id"] for r in manifest]
+    assert len(ids) == len(set(ids)), "an id is listed twice"
+    found: dict[str, dict] = {}
+    for shard in sorted({r["shard"] for r in manifest}):
+        with tarfile.open(dest / shard) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for name, data in members.items():
+            if name.endswith(".json"):
+                meta = json.loads(data)
+                audio, _ = soundfile.read(io.BytesIO(members[name[:-5] + ".wav"]))
+                assert len(audio) == meta["num_samples"] > 0
+                assert meta["id"] not in found, f"{meta['id']} is in two shards"
+                found[meta["id"]] = meta
+    assert sorted(found) == sorted(ids)
+    return found
+
+
+def segments_items(fs, prefix: str) -> int:
+    """Items the store's commit segments record."""
+    from pyarrow import fs as pafs
+
+    count = 0
+    for info in fs.get_file_info(pafs.FileSelector(f"{prefix}/.cosybatch/commits", allow_not_found=True)):
+        with fs.open_input_stream(info.path, compression=None) as f:
+            count += sum(len(r["items"]) for r in map(json.loads, f.read().splitlines()) if r["t"] == "items")
+    return count
+
+
+def test_a_run_to_s3_commits_each_shard_after_its_upload_and_reruns_anywhere(s3_server, tmp_path):
+    fs = bucket(s3_server)
+    rows = corpus_rows(9)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    staging = tmp_path / "machine-a"
+    proc = run_to(corpus, "s3://speech/ds/", staging, s3_server)
+    assert proc.returncode == 0, proc.stderr
+    summary = last_json(proc)
+    assert summary["out"] == "s3://speech/ds" and summary["items_done"] == 9
+    items = store_items(fs, "speech/ds", tmp_path / "read")
+    assert sorted(items) == sorted(r["id"] for r in rows)
+    listed = sorted(p.relative_to(tmp_path / "read").as_posix() for p in (tmp_path / "read").rglob("*")
+                    if p.is_file())
+    shards = [n for n in listed if n.startswith("shard-")]
+    segments = [n for n in listed if n.startswith(".cosybatch/commits/")]
+    assert len(shards) >= 2 and shards == sorted({m["shard"] for m in
+                                                  pq.read_table(tmp_path / "read" / "manifest.parquet").to_pylist()})
+    assert len(segments) == len(shards)  # one commit per shard; no failures to commit at the end
+    assert {"manifest.parquet", "stats.json", "README.md", ".cosybatch/job.json"} <= set(listed)
+    assert LEASE not in listed  # given back at the end
+    assert json.loads((tmp_path / "read" / "stats.json").read_text())["status"] == "complete"
+    assert not list(staging.glob("shard-*"))  # staging keeps no uploaded shard
+    for name in listed:
+        if name.endswith((".json", ".jsonl", ".md")):
+            assert "testing" not in (tmp_path / "read" / name).read_text(), f"a credential in {name}"
+
+    for where in (staging, tmp_path / "machine-b"):  # the same staging, then an empty one
+        again = run_to(corpus, "s3://speech/ds", where, s3_server)
+        assert again.returncode == 0, again.stderr
+        assert last_json(again)["items_done"] == 0 and last_json(again)["job_totals"]["items_done"] == 9
+
+    status = cli("status", "s3://speech/ds", "--json", env=env_for(s3_server))
+    assert status.returncode == 0, status.stderr
+    assert last_json(status)["done"] == 9 and last_json(status)["status"] == "complete"
+    assert last_json(status)["root"] == "s3://speech/ds"
+    verified = cli("verify", "s3://speech/ds", "--json", env=env_for(s3_server))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    exported = cli("export", "s3://speech/ds", "--to", "nemo", env=env_for(s3_server))
+    assert exported.returncode == 0, exported.stderr
+    assert last_json(exported)["nemo"] == "s3://speech/ds/exports/nemo/tarred_audio_manifest.json"
+    read = tmp_path / "read2"
+    download_prefix(fs, "speech/ds", read)
+    nemo = [json.loads(line) for line in (read / "exports/nemo/tarred_audio_manifest.json").read_text().splitlines()]
+    assert sorted(r["id"] for r in nemo) == sorted(r["id"] for r in rows)
+    for tar in (read / "exports/nemo").glob("audio_*.tar"):  # the store's copies of the shards, byte for byte
+        assert tar.read_bytes() == (read / f"shard-{int(tar.stem.split('_')[1]):06d}.tar").read_bytes()
+
+
+def _killed_mid_upload(s3_server: str, tmp_path: Path, rows: list[dict], staging: Path) -> Path:
+    """A run to s3://speech/ds killed with SIGKILL while a multipart upload of shard-000001.tar is
+    in flight (checked with boto3: the store has the upload open, and no such object)."""
+    import boto3
+
+    bucket(s3_server)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    mark = tmp_path / "hanging"
+    script = tmp_path / "hanging_upload.py"
+    script.write_text(HANGING_UPLOAD)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "run", str(corpus), "--out", "s3://speech/ds", "--staging", str(staging),
+         "--engine", "tone", "--progress", "none", "--shard-max-items", "2", "--lease", "2"],
+        env={**os.environ, **env_for(s3_server), "HANG_ON": "shard-000001.tar", "HANG_MARK": str(mark)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not mark.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the upload of shard-000001.tar never started"
+        time.sleep(0.05)
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    def in_flight() -> list[str]:
+        return [u["Key"] for u in s3.list_multipart_uploads(Bucket="speech").get("Uploads", [])]
+
+    while "ds/shard-000001.tar" not in in_flight():
+        assert time.monotonic() < deadline, "no multipart upload in flight"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert "ds/shard-000001.tar" in in_flight()  # left open by the kill (a lease renewal may be too)
+    listed = {o["Key"] for o in s3.list_objects_v2(Bucket="speech").get("Contents", [])}
+    assert "ds/shard-000000.tar" in listed and "ds/shard-000001.tar" not in listed
+    return corpus
+
+
+def test_kill_9_mid_upload_then_a_fresh_machine_resumes_exactly_once(s3_server, tmp_path):
+    rows = corpus_rows(12)
+    corpus = _killed_mid_upload(s3_server, tmp_path, rows, tmp_path / "machine-a")
+    fs = s3_fs(s3_server)
+    committed = segments_items(fs, "speech/ds")
+    assert 0 < committed < 12
+    rerun = run_to(corpus, "s3://speech/ds", tmp_path / "machine-b", s3_server)  # waits out the dead run's lease
+    assert rerun.returncode == 0, rerun.stderr
+    assert last_json(rerun)["items_done"] == 12 - committed  # the uncommitted rows were made again, no more
+    items = store_items(fs, "speech/ds", tmp_path / "read")
+    assert sorted(items) == sorted(r["id"] for r in rows)
+
+
+def test_kill_9_mid_upload_then_the_same_staging_uploads_what_it_sealed(s3_server, tmp_path):
+    from cosybatch.store.checkpoint import Journal
+
+    rows = corpus_rows(12)
+    staging = tmp_path / "machine-a"
+    corpus = _killed_mid_upload(s3_server, tmp_path, rows, staging)
+    staged = sum(len(r["items"]) for r in Journal.read(staging / ".cosybatch" / "journal.jsonl") if r["t"] == "items")
+    fs = s3_fs(s3_server)
+    assert staged > segments_items(fs, "speech/ds")  # staging holds sealed shards the store lacks
+    rerun = run_to(corpus, "s3://speech/ds", staging, s3_server)
+    assert rerun.returncode == 0, rerun.stderr
+    assert last_json(rerun)["items_done"] == 12 - staged  # what staging held was uploaded, not made again
+    items = store_items(fs, "speech/ds", tmp_path / "read")
+    assert sorted(items) == sorted(r["id"] for r in rows)
+
+
+def test_two_workers_on_two_machines_then_merge_on_the_uri(s3_server, tmp_path):
+    fs = bucket(s3_server)
+    rows = corpus_rows(10)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    for index in (0, 1):
+        proc = run_to(corpus, "s3://speech/job", tmp_path / f"machine-{index}", s3_server, "--shard", f"{index}/2")
+        assert proc.returncode == 0, proc.stderr
+        assert last_json(proc)["out"] == f"s3://speech/job/part-{index:05d}-of-00002"
+    merged = cli("merge", "s3://speech/job", env=env_for(s3_server))
+    assert merged.returncode == 0, merged.stderr
+    assert last_json(merged)["items"] == 10 and last_json(merged)["problems"] == []
+    dest = tmp_path / "read"
+    download_prefix(fs, "speech/job", dest)
+    manifest = pq.read_table(dest / "manifest.parquet").to_pylist()
+    assert sorted(r["id"] for r in manifest) == sorted(r["id"] for r in rows)
+    for record in manifest:  # every listed shard is an object, and holds the item
+        with tarfile.open(dest / record["shard"]) as tar:
+            assert json.loads(tar.extractfile(f"{record['key']}.json").read())["id"] == record["id"]
+    assert (dest / "README.md").exists()
+
+
+def test_the_lease_keeps_a_second_writer_out_and_a_dead_ones_lapses(s3_server, tmp_path, monkeypatch):
+    for key, value in env_for(s3_server).items():
+        monkeypatch.setenv(key, value)
+    bucket(s3_server)
+    store = Store("s3://speech/leased")
+    first = Lease(store, 2)
+    first.acquire()
+    with pytest.raises(UsageError, match="being written by another cosybatch run"):
+        Lease(store, 2).acquire()  # watches the lease for 2 s: the first renews it
+    first.check()
+    first._stop.set()  # the first run dies without giving the lease back: it stops renewing
+    first._thread.join()
+    second = Lease(store, 2)
+    second.acquire()  # the lease did not move for 2 s: taken over
+    with pytest.raises(OutputError, match="lost its lease"):
+        first.check()  # the first run, were it only paused, commits nothing more
+    second.release()
+    assert store.read(LEASE) is None
+
+
+def test_a_missing_bucket_and_bad_credentials_are_refused_before_any_work(s3_server, tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", corpus_rows(3))
+    staging = tmp_path / "staging"
+    proc = run_to(corpus, "s3://no-such-bucket/ds", staging, s3_server)
+    assert proc.returncode == 2, proc.stderr
+    assert "'no-such-bucket' does not exist" in proc.stderr and "testing" not in proc.stderr
+    assert not staging.exists()
+    proc = run_to(corpus, "s3://speech-not-a-path", staging, s3_server)
+    assert proc.returncode == 2 and "name a bucket and a prefix" in proc.stderr
+    proc = cli("run", corpus, "--out", "s3://speech/ds", "--staging", staging, "--engine", "tone",
+               env={**env_for("http://127.0.0.1:9"), "AWS_EC2_METADATA_DISABLED": "true"})  # nothing listens there
+    assert proc.returncode == 2, proc.stderr
+    assert "AWS_ENDPOINT_URL" in proc.stderr and not staging.exists()
