@@ -20,10 +20,14 @@ checkpointing can duplicate rows in exactly these cases.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +40,8 @@ from ..errors import OutputError, UsageError
 from ..store.checkpoint import (
     FAILURES_FILE,
     RAY_FAILURES_DIR,
+    RAY_ITEMS_DIR,
+    STATE_DIR,
     OutputDir,
     ResumeState,
     jsonl_bytes,
@@ -44,6 +50,7 @@ from ..store.checkpoint import (
     write_manifest_table,
 )
 from ..store.items import RECORDED, qc_columns
+from ..store.objects import Store
 from ..store.shards import ShardWriter
 from .executor import BatchPolicy, EngineSet
 from .job import RunResult, run_job
@@ -113,41 +120,101 @@ class SynthWorker:
         line = RowLine(cfg, self.engines, self.policy, open_gate(cfg, self.engines, self.transcriber))
         done = line.make(rows)
         name = f"shard-{digest}.tar"
-        shard = None
-        items = []
-        for tar_key, members, record in sorted(done.items, key=lambda r: r[2]["row"]):  # the same bytes on a retry
-            if shard is None:
-                shard = ShardWriter(cfg.output.folder, 0, name=name)
-            shard.add(tar_key, members, int(time.time()))
-            items.append({**record, "shard": name})
-        # Failures first: if the process dies before the rename, the rows are simply redone.
-        if done.failures:
-            write_atomic(cfg.output.folder / ".cosybatch" / RAY_FAILURES_DIR / f"{digest}.jsonl",
-                         jsonl_bytes(done.failures))
-        if shard is not None:
-            shard.close()
+        with _chunk_folder(cfg) as folder:
+            shard = None
+            items = []
+            for tar_key, members, record in sorted(done.items, key=lambda r: r[2]["row"]):  # same bytes on a retry
+                if shard is None:
+                    shard = ShardWriter(folder, 0, name=name)
+                shard.add(tar_key, members, int(time.time()))
+                items.append({**record, "shard": name})
+            # Failures first: if the process dies before the rename (or the upload), the rows are simply redone.
+            failures = f"{STATE_DIR}/{RAY_FAILURES_DIR}/{digest}.jsonl"
+            if done.failures:
+                write_atomic(folder / failures, jsonl_bytes(done.failures))
+            if shard is not None:
+                shard.close()
+            if cfg.output.store is not None:  # this actor uploads its own shard: nodes share no disk
+                _upload_chunk(Store(cfg.output.store), folder, name if shard is not None else None,
+                              failures if done.failures else None, items, digest)
         return {"items": items, "failures": done.failures,
                 "committed": Committed(items=len(items), audio_s=sum(i["duration_s"] for i in items),
                                        failed=len(done.failures), batches=[o.work() for o in done.batches],
                                        qc=done.qc, qc_s=done.qc_s, shape_s=done.shape_s)}
 
 
+@contextlib.contextmanager
+def _chunk_folder(cfg: RunConfig) -> Iterator[Path]:
+    """Where an actor writes a chunk's shard: the output folder, or for a store a folder of its
+    own on this node (removed once the chunk is uploaded)."""
+    if cfg.output.store is None:
+        yield cfg.output.folder
+        return
+    with tempfile.TemporaryDirectory(prefix="cosybatch-chunk-") as folder:
+        (Path(folder) / STATE_DIR / RAY_FAILURES_DIR).mkdir(parents=True)
+        yield Path(folder)
+
+
+def _upload_chunk(store: Store, folder: Path, shard: Optional[str], failures: Optional[str], items: list[dict],
+                  digest: str) -> None:
+    """A chunk into the store, each object whole or not at all, in the order a kill can stop
+    anywhere in: the failures, the shard, then its items' records (`ray-items/DIGEST.jsonl`, what a
+    resume reads instead of the shard; a shard without them is read whole)."""
+    if failures is not None:
+        store.upload(folder / failures, failures)
+    if shard is not None:
+        store.upload(folder / shard, shard)
+        store.write(f"{STATE_DIR}/{RAY_ITEMS_DIR}/{digest}.jsonl", jsonl_bytes(items))
+
+
+def _record(key: str, meta: dict, shard: str) -> dict:
+    """A manifest record from an item's KEY.json."""
+    return {"key": key, "id": meta["id"], "shard": shard, "text": meta["text"],
+            "voice": meta["voice"], "duration_s": meta["duration"],
+            "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"],
+            **{name: meta[name] for name in ("instruct", *RECORDED) if name in meta},
+            **(qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {})}
+
+
 def scan_output(out: OutputDir) -> tuple[list[dict], list[dict]]:
-    """(item records from every finished shard, failure records) - the state of a ray-run job."""
+    """(item records from every finished shard, failure records) - the state of a ray-run job.
+    A staging folder of a store's job holds the records of the store's shards
+    (`pull_store_state`), not the shards."""
     from ..store.exports import iter_shard
 
     items = []
+    for records in sorted((out.state / RAY_ITEMS_DIR).glob("*.jsonl")):
+        items += [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
     for shard in sorted(out.root.glob("shard-*.tar")):
         for key, meta, _wav in iter_shard(shard):
-            items.append({"key": key, "id": meta["id"], "shard": shard.name, "text": meta["text"],
-                          "voice": meta["voice"], "duration_s": meta["duration"],
-                          "num_samples": meta["num_samples"], "sample_rate": meta["sample_rate"], "row": meta["row"],
-                          **{name: meta[name] for name in ("instruct", *RECORDED) if name in meta},
-                          **(qc_columns(meta["qc"]) if isinstance(meta.get("qc"), dict) else {})})
+            items.append(_record(key, meta, shard.name))
     failures = []
     for path in sorted((out.state / RAY_FAILURES_DIR).glob("*.jsonl")):
         failures += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return items, failures
+
+
+def pull_store_state(store: Store, out: OutputDir) -> None:
+    """A store's ray-run state into its staging folder: every chunk's failures and item records,
+    and the records of a shard uploaded without them (read from the shard, which is then let go)."""
+    from ..store.exports import iter_shard
+
+    listed = store.list()
+    for folder in (RAY_FAILURES_DIR, RAY_ITEMS_DIR):
+        local = out.state / folder
+        shutil.rmtree(local, ignore_errors=True)  # the store's are the truth; staging's may be stale
+        local.mkdir(parents=True)
+        for name in listed:
+            if name.startswith(f"{STATE_DIR}/{folder}/") and name.endswith(".jsonl"):
+                store.download(name, out.root / name)
+    recorded = {p.stem for p in (out.state / RAY_ITEMS_DIR).glob("*.jsonl")}
+    for name in listed:
+        if re.fullmatch(r"shard-[0-9a-f]{20}\.tar", name) and name[6:-4] not in recorded:
+            path = out.root / name
+            store.download(name, path)
+            items = [_record(key, meta, name) for key, meta, _wav in iter_shard(path)]
+            write_atomic(out.state / RAY_ITEMS_DIR / f"{name[6:-4]}.jsonl", jsonl_bytes(items))
+            path.unlink()
 
 
 def read_rows(corpus: Corpus) -> Iterator[Union[Row, BadRow]]:
@@ -238,6 +305,8 @@ class RayRunner(Runner):
     def resume(self, out: OutputDir, corpus: Corpus, corpus_was: Optional[dict]) -> Resumed:
         for partial in out.root.glob("shard-*.tar.partial"):
             partial.unlink()  # a chunk that never finished; its rows are redone
+        if self.cfg.output.store is not None:
+            pull_store_state(Store(self.cfg.output.store), out)
         items, failures = scan_output(out)
         state = ResumeState(done_ids={i["id"] for i in items} | {f["id"] for f in failures if not keyed_by_row(f)},
                             failed_rows={f["row"] for f in failures if keyed_by_row(f)},
@@ -303,6 +372,8 @@ class RayRunner(Runner):
         return Dispatched(interrupted=cut_short, read_s=read_s)
 
     def end(self, out: OutputDir, interrupted: bool) -> Ended:
+        if self.cfg.output.store is not None:
+            pull_store_state(Store(self.cfg.output.store), out)
         items, failures = scan_output(out)
         write_manifest_table(out.root, items)
         write_atomic(out.root / FAILURES_FILE, jsonl_bytes(failures))

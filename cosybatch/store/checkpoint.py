@@ -42,6 +42,7 @@ FAILURES_FILE = "failures.jsonl"
 STATS_FILE = "stats.json"
 RUN_FILE = "run.json"  # under .cosybatch/: pid, start time and row total of the latest run
 RAY_FAILURES_DIR = "ray-failures"  # under .cosybatch/: ray-run failure records, one file per chunk
+RAY_ITEMS_DIR = "ray-items"  # under .cosybatch/: a store's ray-run shards' item records, one file per chunk
 DAMAGED_DIR = "damaged"  # under .cosybatch/: shards a rerun could not use, kept for inspection
 QUARANTINE_DIR = "quarantine"  # under .cosybatch/: bytes that are not this job's (foreign shards), set aside
 STORED_FILE = "stored.json"  # under .cosybatch/: shards committed to the job's object store, index -> size (objects.py)
@@ -372,6 +373,7 @@ class OutputDir:
                 path.unlink()
         shutil.rmtree(self.root / "exports", ignore_errors=True)
         shutil.rmtree(self.state / RAY_FAILURES_DIR, ignore_errors=True)
+        shutil.rmtree(self.state / RAY_ITEMS_DIR, ignore_errors=True)
         shutil.rmtree(self.state / DAMAGED_DIR, ignore_errors=True)
         shutil.rmtree(self.state / QUARANTINE_DIR, ignore_errors=True)
         for name in (JOB_FILE, JOURNAL_FILE, RUN_FILE, STORED_FILE):

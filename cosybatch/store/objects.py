@@ -56,6 +56,9 @@ from ..errors import OutputError, UsageError
 from ..sources import is_uri, redacted, store_error, store_for
 from .checkpoint import (
     JOB_FILE,
+    MANIFEST_FILE,
+    RAY_FAILURES_DIR,
+    RAY_ITEMS_DIR,
     STATE_DIR,
     STORED_FILE,
     Ledger,
@@ -71,8 +74,9 @@ log = logging.getLogger("cosybatch")
 COMMITS = f"{STATE_DIR}/commits"
 LEASE = f"{STATE_DIR}/lease.json"
 CHUNK = 8 << 20  # bytes a transfer moves at a time
+READERS = 32  # small objects (commit segments) read at once: a resume of 10,000 shards is 10,000 GETs
 _SEGMENT = re.compile(r"(\d{8})\.jsonl")
-_SHARD = re.compile(r"shard-(\d{6,})\.tar")
+_SHARD = re.compile(r"shard-(\d{6,}|[0-9a-f]{20})\.tar")  # run's numbered shards, ray-run's hashed ones
 # What the end of a run uploads besides the shards (when present in staging), and the folder of exports.
 DERIVED = ("manifest.parquet", "failures.jsonl", "stats.json", "README.md", "report.html",
            "corpus_changes.jsonl", f"{STATE_DIR}/run.json")
@@ -195,9 +199,12 @@ def segments(store: Store) -> list[str]:
 
 
 def store_journal(store: Store) -> tuple[bytes, int]:
-    """(the store's journal, its number of segments)."""
+    """(the store's journal, its number of segments), the segments read READERS at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     names = segments(store)
-    return b"".join(store.read(n) or b"" for n in names), len(names)
+    with ThreadPoolExecutor(READERS) as pool:
+        return b"".join(data or b"" for data in pool.map(store.read, names)), len(names)
 
 
 def stored_shards(journal: bytes, listed: dict[str, int]) -> dict[int, int]:
@@ -226,9 +233,10 @@ def materialise(store: Store, folder: Path, shards: bool = False) -> OutputDir:
     write_atomic(out.journal_path, journal)
     stored = stored_shards(journal, listed)
     write_atomic(out.state / STORED_FILE, json_bytes({str(k): v for k, v in stored.items()}))
-    wanted = [n for n in listed if n == f"{STATE_DIR}/{JOB_FILE}" or n in DERIVED or n.startswith("exports/")]
-    if shards:
-        wanted += [shard_name(i) for i in stored if listed.get(shard_name(i))]
+    wanted = [n for n in listed if n == f"{STATE_DIR}/{JOB_FILE}" or n in DERIVED or n.startswith("exports/")
+              or n.startswith((f"{STATE_DIR}/{RAY_FAILURES_DIR}/", f"{STATE_DIR}/{RAY_ITEMS_DIR}/"))]
+    if shards:  # the journal's shards, or a ray-run job's (it has no journal: its shards are its record)
+        wanted += [n for n in listed if _SHARD.fullmatch(n) and (not n[6:-4].isdigit() or int(n[6:-4]) in stored)]
     for path in folder.glob("shard-*.tar"):  # left from an earlier view: not the store's now
         if path.name not in wanted:
             path.unlink()
@@ -363,6 +371,7 @@ class ObjectSink:
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
         self.upload_s = 0.0
+        self._fetched: list[Path] = []
 
     # -- start ---------------------------------------------------------------------------------
     def open(self, restart: bool) -> None:
@@ -472,7 +481,9 @@ class ObjectSink:
 
     def _write_segment(self, through: Optional[int]) -> None:
         """Segment K: the staging journal from the last segment's end to the `closed` line of
-        shard `through` (None: to the end of the journal)."""
+        shard `through` (None: to the end of the journal). A ray-run job keeps no journal."""
+        if through is None and not self.out.journal_path.exists():
+            return
         with open(self.out.journal_path, "rb") as f:
             f.seek(self.committed_bytes)
             lines = []
@@ -511,12 +522,18 @@ class ObjectSink:
 
     # -- the end -------------------------------------------------------------------------------
     def fetch_shards(self) -> None:
-        """Every stored shard back into staging, for the steps at the end that read the audio
-        (exports, the report). Call after `drain`."""
-        for index in list(self.stored):
-            path = self.out.root / shard_name(index)
-            if not path.exists():
-                self.store.download(shard_name(index), path)
+        """Every shard the manifest lists back into staging, for the steps at the end that read
+        the audio (exports, the report). Call after `drain`, once the manifest is written."""
+        import pyarrow.parquet as pq
+
+        manifest = self.out.root / MANIFEST_FILE
+        if not manifest.exists():
+            return
+        for name in sorted(set(pq.read_table(manifest, columns=["shard"]).column("shard").to_pylist())):
+            path = self.out.root / name
+            if _SHARD.fullmatch(name) and not path.exists():
+                self.store.download(name, path)
+                self._fetched.append(path)
 
     def finish(self, status: str) -> None:
         """After the job: wait for the uploads, commit the journal's rest (failures after the
@@ -529,8 +546,8 @@ class ObjectSink:
             self._write_segment(through=None)
         upload_tree(self.store, self.out.root, [*(DERIVED if complete else ("stats.json",)),
                                                 *(["exports"] if complete else [])])
-        for index in self.stored:
-            (self.out.root / shard_name(index)).unlink(missing_ok=True)
+        for path in [*(self.out.root / shard_name(i) for i in self.stored), *self._fetched]:
+            path.unlink(missing_ok=True)  # staging keeps no copy of what the store holds
 
     def close(self) -> None:
         """In every case: stop the uploader (what it has not uploaded stays in staging) and give

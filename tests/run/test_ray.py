@@ -121,6 +121,50 @@ def test_options_ray_run_cannot_honour_are_refused(tmp_path):
                 RayOptions())
 
 
+def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3_server, tmp_path, monkeypatch):
+    """Two Ray nodes (ray.cluster_utils.Cluster, one actor CPU each, so the two actors sit on two
+    nodes) and a store: each actor uploads its chunk's shard; the driver's staging folder never
+    holds one; a rerun from an empty staging folder adds nothing; the store's manifest lists every
+    id once and each is in the shard it names."""
+    import pyarrow.parquet as pq
+    from helpers import S3_ENV, download_prefix, s3_fs, write_jsonl
+    from ray.cluster_utils import Cluster
+
+    for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(key, value)  # before the nodes start: their workers inherit it
+    fs = s3_fs(s3_server)
+    fs.create_dir("speech")
+    data = rows(24)
+    corpus = write_jsonl(tmp_path / "c.jsonl", data)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        nodes.add_node(num_cpus=1)
+        nodes.wait_for_nodes()
+        ray.init(address=nodes.address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+        cfg = RunConfig.from_options(corpus=corpus, out="s3://speech/ray", staging=tmp_path / "driver", progress="none")
+        result = ray_run(cfg, RayOptions(address=nodes.address, actors=2, rows_per_task=4))
+        assert result.status == "complete" and result.stats["items_done"] == 24
+        assert result.stats["out"] == "s3://speech/ray"
+        assert not list((tmp_path / "driver").rglob("shard-*"))
+        again = ray_run(cfg.with_options(out="s3://speech/ray", staging=tmp_path / "other-driver"),
+                        RayOptions(address=nodes.address, actors=2, rows_per_task=4))
+        assert again.status == "complete" and again.stats["items_done"] == 0
+        assert again.stats["job_totals"]["items_done"] == 24
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+    dest = tmp_path / "read"
+    download_prefix(fs, "speech/ray", dest)
+    manifest = pq.read_table(dest / "manifest.parquet").to_pylist()
+    assert sorted(m["id"] for m in manifest) == sorted(r["id"] for r in data)
+    shards = {m["shard"] for m in manifest}
+    assert len(shards) == 6 and shards == {p.name for p in dest.glob("shard-*.tar")}
+    found = read_output(dest)
+    assert sorted(found) == sorted(r["id"] for r in data)
+    assert all(found[m["id"]]["shard"] == m["shard"] for m in manifest)
+
+
 # -- in process on one shared cluster ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
