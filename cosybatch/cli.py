@@ -275,6 +275,8 @@ def verify_cmd(
     try:
         with job_view(out, shards=True) as folder:  # a store's shards are read in a local copy
             result = verify(folder)
+            if folder != Path(out):
+                result["root"] = out
     except CosybatchError as exc:
         _fail(str(exc), exc.exit_code)
     _print(json.dumps(result) if as_json else describe(result))

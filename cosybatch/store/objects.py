@@ -393,6 +393,10 @@ class ObjectSink:
             if self.segments or any(_SHARD.fullmatch(n) for n in listed):
                 raise UsageError(f"{store.shown} holds shards or commits but no cosybatch job record "
                                  f"({STATE_DIR}/{JOB_FILE}); choose an empty prefix (--restart would delete them)")
+            if out.stored():  # staging of a job whose store was emptied since: nothing of it is left to resume
+                log.info("%s holds no job any more; the staging folder %s starts over", store.shown, out.root)
+                out.clear()
+            # else: a run killed before its first commit, or a new job: staging is all there is
         else:
             local_job = out.job_file.read_bytes() if out.job_file.exists() else None
             if local_job != remote_job:  # staging is empty, or from another incarnation of the job

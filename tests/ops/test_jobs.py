@@ -221,12 +221,13 @@ def test_airflow_dag_commands_run_a_tiny_corpus_through_to_the_merge(tmp_path, m
 
 
 # -- 5. the Kubernetes Indexed Job's failure policy --------------------------------------------
-def test_k8s_job_ignores_resumable_exits_and_fails_the_index_on_fatal_ones():
+@pytest.mark.parametrize("name", ["k8s-indexed-job.yaml", "k8s-indexed-job-s3.yaml"])
+def test_k8s_job_ignores_resumable_exits_and_fails_the_index_on_fatal_ones(name):
     import yaml
 
     from cosybatch.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TOO_MANY_FAILURES
 
-    docs = list(yaml.safe_load_all((ROOT / "jobs" / "k8s-indexed-job.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "jobs" / name).read_text()))
     spec = next(d for d in docs if d["kind"] == "Job")["spec"]
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
@@ -253,6 +254,32 @@ def test_k8s_job_ignores_resumable_exits_and_fails_the_index_on_fatal_ones():
     # preStop hook that would spend that time before the signal is even sent.
     assert pod["terminationGracePeriodSeconds"] >= 120
     assert "lifecycle" not in container
+
+
+def test_the_s3_indexed_job_shares_no_volume_and_each_pod_writes_its_part_to_the_store(tmp_path):
+    """The object-storage Indexed Job: its pods mount only the spec and a scratch emptyDir (no
+    shared volume), and the spec it runs makes pod 2 stage on that scratch disk and write
+    s3://.../part-00002-of-00004."""
+    from cosybatch.jobspec import config_from_spec
+    from cosybatch.run.preflight import part_config
+
+    docs = list(yaml.safe_load_all((ROOT / "jobs" / "k8s-indexed-job-s3.yaml").read_text()))
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    pod = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert {v["name"] for v in pod["volumes"] if "emptyDir" in v} == {"scratch"}
+    (name, text), = config_map["data"].items()
+    command = container["command"]
+    assert command[command.index("--job") + 1] == f"{mounts['spec']}/{name}" and "--shard" in command
+    spec = tmp_path / name
+    spec.write_text(text)
+    cfg = part_config(config_from_spec(spec, shard="2/4"))
+    assert cfg.input.corpus == "s3://speech-corpora/english/"
+    assert cfg.output.store == "s3://speech-datasets/english-piper/part-00002-of-00004"
+    assert cfg.output.folder == Path(mounts["scratch"]) / "cosybatch" / "part-00002-of-00004"
+    assert cfg.output.lease_s == 60
 
 
 # -- job specs and the examples in jobs/ --------------------------------------------------------
