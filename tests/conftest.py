@@ -118,19 +118,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def s3_server(tmp_path):
-    """moto's standalone S3 server on a free loopback port, for this test only: its endpoint URL."""
+@contextlib.contextmanager
+def moto_server(log_path: Path, **env: str):
+    """moto's standalone S3 server on a free loopback port (ENV added to its environment): its
+    endpoint URL, once it answers."""
     exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which("moto_server")
     if exe is None:
         pytest.fail("moto_server is missing: pip install -e '.[test]' (it holds moto[server])")
     port = _free_port()
-    log = open(tmp_path / "moto.log", "wb")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **env})
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, (tmp_path / "moto.log").read_text()
+            assert proc.poll() is None, log_path.read_text()
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
@@ -146,3 +148,18 @@ def s3_server(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture
+def s3_server(tmp_path):
+    """moto's S3 server for this test only, taking any credentials: its endpoint URL."""
+    with moto_server(tmp_path / "moto.log") as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_server_checking_credentials(tmp_path):
+    """moto's S3 server checking every request's credentials (INITIAL_NO_AUTH_ACTION_COUNT=0):
+    keys it never issued are refused, as a real store refuses bad ones."""
+    with moto_server(tmp_path / "moto-auth.log", INITIAL_NO_AUTH_ACTION_COUNT="0") as endpoint:
+        yield endpoint

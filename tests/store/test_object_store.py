@@ -65,7 +65,7 @@ def bucket(endpoint: str, name: str = "speech"):
     return fs
 
 
-def run_to(corpus: Path, uri: str, staging: Path, endpoint: str, *extra) -> subprocess.CompletedProcess:
+def run_to(corpus, uri: str, staging: Path, endpoint: str, *extra) -> subprocess.CompletedProcess:
     return cli("run", corpus, "--out", uri, "--staging", staging, "--engine", "tone", "--progress", "none",
                "--shard-max-items", "2", "--lease", "2", *extra, env=env_for(endpoint))
 
@@ -152,18 +152,27 @@ def test_a_run_to_s3_commits_each_shard_after_its_upload_and_reruns_anywhere(s3_
         assert tar.read_bytes() == (read / f"shard-{int(tar.stem.split('_')[1]):06d}.tar").read_bytes()
 
 
-def _killed_mid_upload(s3_server: str, tmp_path: Path, rows: list[dict], staging: Path) -> Path:
-    """A run to s3://speech/ds killed with SIGKILL while a multipart upload of shard-000001.tar is
-    in flight (checked with boto3: the store has the upload open, and no such object)."""
+def corpus_in_s3(fs, rows: list[dict], parts: int = 3, prefix: str = "speech/corpus") -> str:
+    """ROWS as PARTS JSONL parts under PREFIX in the store: the corpus's URI."""
+    for p in range(parts):
+        data = "".join(json.dumps(r) + "\n" for r in rows[p::parts]).encode()
+        with fs.open_output_stream(f"{prefix}/part-{p:05d}.jsonl", compression=None) as f:
+            f.write(data)
+    return f"s3://{prefix}/"
+
+
+def _killed_mid_upload(s3_server: str, tmp_path: Path, rows: list[dict], staging: Path) -> str:
+    """A run of a corpus of parts in the store to s3://speech/ds, killed with SIGKILL while a
+    multipart upload of shard-000001.tar is in flight (checked with boto3: the store has the
+    upload open, and no such object). Returns the corpus's URI."""
     import boto3
 
-    bucket(s3_server)
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    corpus = corpus_in_s3(bucket(s3_server), rows)
     mark = tmp_path / "hanging"
     script = tmp_path / "hanging_upload.py"
     script.write_text(HANGING_UPLOAD)
     proc = subprocess.Popen(
-        [sys.executable, str(script), "run", str(corpus), "--out", "s3://speech/ds", "--staging", str(staging),
+        [sys.executable, str(script), "run", corpus, "--out", "s3://speech/ds", "--staging", str(staging),
          "--engine", "tone", "--progress", "none", "--shard-max-items", "2", "--lease", "2"],
         env={**os.environ, **env_for(s3_server), "HANG_ON": "shard-000001.tar", "HANG_MARK": str(mark)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -174,7 +183,7 @@ def _killed_mid_upload(s3_server: str, tmp_path: Path, rows: list[dict], staging
         time.sleep(0.05)
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
                       aws_secret_access_key="testing")
-    def in_flight() -> list[str]:
+    def in_flight() -> list[str]:  # the multipart uploads the store has open
         return [u["Key"] for u in s3.list_multipart_uploads(Bucket="speech").get("Uploads", [])]
 
     while "ds/shard-000001.tar" not in in_flight():
@@ -215,6 +224,27 @@ def test_kill_9_mid_upload_then_the_same_staging_uploads_what_it_sealed(s3_serve
     assert last_json(rerun)["items_done"] == 12 - staged  # what staging held was uploaded, not made again
     items = store_items(fs, "speech/ds", tmp_path / "read")
     assert sorted(items) == sorted(r["id"] for r in rows)
+
+
+def test_a_corpus_part_changed_in_the_store_is_refused_naming_it_and_restart_starts_over(s3_server, tmp_path):
+    fs = bucket(s3_server)
+    rows = corpus_rows(6)
+    corpus = corpus_in_s3(fs, rows)
+    staging = tmp_path / "staging"
+    assert run_to(corpus, "s3://speech/ds", staging, s3_server).returncode == 0
+    with fs.open_output_stream("speech/corpus/part-00001.jsonl", compression=None) as f:
+        f.write(json.dumps({"id": "new", "text": "A row that was not there."}).encode() + b"\n")
+    for where in (staging, tmp_path / "fresh"):  # the job's record comes from the store either way
+        refused = run_to(corpus, "s3://speech/ds", where, s3_server)
+        assert refused.returncode == 2, refused.stderr
+        assert "part part-00001.jsonl changed" in refused.stderr
+    restarted = run_to(corpus, "s3://speech/ds", tmp_path / "fresh", s3_server, "--restart")
+    assert restarted.returncode == 0, restarted.stderr
+    assert last_json(restarted)["job_totals"]["items_done"] == 5  # parts 0 and 2, and the new row
+    items = store_items(fs, "speech/ds", tmp_path / "read")
+    assert sorted(items) == sorted([r["id"] for r in rows if rows.index(r) % 3 != 1] + ["new"])
+    download = tmp_path / "read"
+    assert len([p for p in download.glob(".cosybatch/commits/*.jsonl")]) == len(list(download.glob("shard-*.tar")))
 
 
 def test_two_workers_on_two_machines_then_merge_on_the_uri(s3_server, tmp_path):
@@ -271,3 +301,13 @@ def test_a_missing_bucket_and_bad_credentials_are_refused_before_any_work(s3_ser
                env={**env_for("http://127.0.0.1:9"), "AWS_EC2_METADATA_DISABLED": "true"})  # nothing listens there
     assert proc.returncode == 2, proc.stderr
     assert "AWS_ENDPOINT_URL" in proc.stderr and not staging.exists()
+
+
+def test_bad_credentials_are_refused_before_any_work(s3_server_checking_credentials, tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", corpus_rows(3))
+    staging = tmp_path / "staging"
+    proc = run_to(corpus, "s3://speech/ds", staging, s3_server_checking_credentials)  # keys it never issued
+    assert proc.returncode == 2, proc.stderr
+    assert "ACCESS_DENIED" in proc.stderr and "the credentials (AWS_ACCESS_KEY_ID" in proc.stderr
+    assert "testing" not in proc.stderr  # the key is not repeated back
+    assert not staging.exists()
