@@ -208,7 +208,7 @@ def redacted(uri: str) -> str:
     return f"{split.scheme}://{host}{split.path}" + ("?..." if split.query else "")
 
 
-def _endpoint() -> Optional[str]:
+def endpoint_url() -> Optional[str]:
     """The S3-compatible store's URL from the usual environment, or None for AWS itself."""
     if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
         return None
@@ -226,7 +226,7 @@ def store_for(uri: str):
     from pyarrow import fs as pafs
 
     scheme = split.scheme.lower()
-    endpoint = _endpoint() if scheme == "s3" else None
+    endpoint = endpoint_url() if scheme == "s3" else None
     try:
         if endpoint and not split.query:
             where = urlsplit(endpoint)
@@ -244,7 +244,7 @@ def store_for(uri: str):
 def store_error(uri: str, bucket: str, exc: BaseException, what: str = "list the corpus") -> UsageError:
     """A store that refused a request (no such bucket, bad credentials, no endpoint), as a usage
     error naming what to check."""
-    endpoint = _endpoint()
+    endpoint = endpoint_url()
     return UsageError(f"{redacted(uri)}: cannot {what} in bucket {bucket!r} ({str(exc)[:300]}). Check the "
                       "bucket's name, the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile or "
                       "the machine's role; GOOGLE_APPLICATION_CREDENTIALS for gs://) and the endpoint "
@@ -269,7 +269,7 @@ def _remote_parts(uri: str) -> tuple[str, list[Part]]:
         if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
             raise UsageError(f"{redacted(uri)}: the bucket {bucket!r} does not exist (or these credentials cannot "
                              f"see it). Check the URI, the credentials and AWS_ENDPOINT_URL "
-                             f"({_endpoint() or 'not set, so AWS itself'})")
+                             f"({endpoint_url() or 'not set, so AWS itself'})")
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.File and pattern is None:
             listed = [info]

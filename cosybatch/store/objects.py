@@ -38,6 +38,7 @@ recorded.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ from .checkpoint import (
     MANIFEST_FILE,
     RAY_FAILURES_DIR,
     RAY_ITEMS_DIR,
+    RUN_FILE,
     STATE_DIR,
     STORED_FILE,
     Ledger,
@@ -87,9 +89,12 @@ def default_staging(uri: str) -> Path:
     folder per store prefix (its last name and a hash of the whole URI)."""
     import hashlib
 
+    from ..sources import endpoint_url
+
     clean = uri.rstrip("/")
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", clean.rsplit("/", 1)[-1])[:40] or "store"
-    return cache_root() / "staging" / f"{name}-{hashlib.sha256(clean.encode()).hexdigest()[:12]}"
+    where = f"{endpoint_url() or ''} {clean}"  # one bucket name in two stores is two datasets
+    return cache_root() / "staging" / f"{name}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
 
 class Store:
@@ -165,11 +170,18 @@ class Store:
 
     def list(self, under: str = "") -> dict[str, int]:
         """name -> size of every object under `under` (recursively)."""
+        return {name: size for name, (size, _) in self.listing(under).items()}
+
+    def listing(self, under: str = "") -> dict[str, tuple[int, Optional[float]]]:
+        """name -> (size, last modified as a Unix time, or None) of every object under `under`."""
         from pyarrow import fs as pafs
 
         root = self.key(under).rstrip("/") if under else self.base
         infos = self.fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-        return {i.path[len(self.base) + 1:]: i.size for i in infos if i.type == pafs.FileType.File}
+        # S3 gives whole seconds: the object was written by the end of that second.
+        return {i.path[len(self.base) + 1:]: (i.size, i.mtime.timestamp() + (0.999 if i.mtime.microsecond == 0 else 0)
+                                              if i.mtime else None)
+                for i in infos if i.type == pafs.FileType.File}
 
     def size(self, name: str) -> Optional[int]:
         from pyarrow import fs as pafs
@@ -224,16 +236,18 @@ def materialise(store: Store, folder: Path, shards: bool = False) -> OutputDir:
     """The job in `store` as a local output folder: job.json, the journal rebuilt from the
     segments, the files written at the end, the stored shards' sizes (`.cosybatch/stored.json`),
     and with `shards` the shards themselves. For the commands that read a job (status, verify,
-    merge, export, qc); files already there with the store's size are not fetched again."""
+    merge, export, qc); a file already there with the object's size and time is not fetched again."""
     folder.mkdir(parents=True, exist_ok=True)
     out = OutputDir(folder)
     out.state.mkdir(exist_ok=True)
-    listed = store.list()
+    info = store.listing()
+    listed = {name: size for name, (size, _) in info.items()}
     journal, _ = store_journal(store)
     write_atomic(out.journal_path, journal)
     stored = stored_shards(journal, listed)
     write_atomic(out.state / STORED_FILE, json_bytes({str(k): v for k, v in stored.items()}))
-    wanted = [n for n in listed if n == f"{STATE_DIR}/{JOB_FILE}" or n in DERIVED or n.startswith("exports/")
+    (folder / LEASE).unlink(missing_ok=True)
+    wanted = [n for n in listed if n in (f"{STATE_DIR}/{JOB_FILE}", LEASE) or n in DERIVED or n.startswith("exports/")
               or n.startswith((f"{STATE_DIR}/{RAY_FAILURES_DIR}/", f"{STATE_DIR}/{RAY_ITEMS_DIR}/"))]
     if shards:  # the journal's shards, or a ray-run job's (it has no journal: its shards are its record)
         wanted += [n for n in listed if _SHARD.fullmatch(n) and (not n[6:-4].isdigit() or int(n[6:-4]) in stored)]
@@ -242,8 +256,12 @@ def materialise(store: Store, folder: Path, shards: bool = False) -> OutputDir:
             path.unlink()
     for name in wanted:
         path = folder / name
-        if not (path.exists() and path.stat().st_size == listed[name]):
-            store.download(name, path)
+        size, mtime = info[name]
+        if path.exists() and path.stat().st_size == size and mtime is not None and path.stat().st_mtime == mtime:
+            continue  # fetched before, and not written since
+        store.download(name, path)
+        if mtime is not None:  # the store's time: `status` compares stats.json's with run.json's start
+            os.utime(path, (mtime, mtime))
     return out
 
 
@@ -367,6 +385,7 @@ class ObjectSink:
         self.committed_bytes = 0  # of the staging journal, in segments already
         self.stored: dict[int, int] = {}
         self._job_uploaded: Optional[bytes] = None
+        self._run_uploaded: Optional[bytes] = None
         self._queue: queue.Queue = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
@@ -478,10 +497,15 @@ class ObjectSink:
         self.upload_s += time.monotonic() - t
 
     def _upload_job(self) -> None:
+        """job.json, and this run's run.json (its start and row total, for `status`), when changed."""
         job = self.out.job_file.read_bytes()
         if job != self._job_uploaded:
             self.store.write(f"{STATE_DIR}/{JOB_FILE}", job)
             self._job_uploaded = job
+        run = self.out.state / RUN_FILE
+        if run.exists() and run.read_bytes() != self._run_uploaded:
+            self._run_uploaded = run.read_bytes()
+            self.store.write(f"{STATE_DIR}/{RUN_FILE}", self._run_uploaded)
 
     def _write_segment(self, through: Optional[int]) -> None:
         """Segment K: the staging journal from the last segment's end to the `closed` line of
@@ -590,6 +614,14 @@ def job_view(target: str, folder: Optional[Path] = None, shards: bool = False,
     store = Store(str(target))
     store.check()
     root = folder or default_staging(store.uri).with_name(default_staging(store.uri).name + "-view")
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".view.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two commands reading one store here take turns with its view
+        yield _fill_view(store, root, shards)
+        upload_tree(store, root, list(upload))
+
+
+def _fill_view(store: Store, root: Path, shards: bool) -> Path:
     listed = store.list()
     parts = sorted({n.split("/", 1)[0] for n in listed if re.fullmatch(r"part-\d+-of-\d+/.*", n)})
     if f"{STATE_DIR}/{JOB_FILE}" in listed:
@@ -603,6 +635,5 @@ def job_view(target: str, folder: Optional[Path] = None, shards: bool = False,
     else:
         raise UsageError(f"{store.shown} holds no cosybatch job ({STATE_DIR}/{JOB_FILE}) and no part-*-of-* "
                          "prefixes of a sharded job")
-    yield root
-    upload_tree(store, root, list(upload))
+    return root
 

@@ -189,6 +189,10 @@ def _killed_mid_upload(s3_server: str, tmp_path: Path, rows: list[dict], staging
     while "ds/shard-000001.tar" not in in_flight():
         assert time.monotonic() < deadline, "no multipart upload in flight"
         time.sleep(0.05)
+    status = cli("status", "s3://speech/ds", "--json", env=env_for(s3_server))  # from another "machine"
+    assert status.returncode == 0, status.stderr
+    assert last_json(status)["status"] == "running"
+    assert last_json(status)["done"] == segments_items(s3_fs(s3_server), "speech/ds") > 0
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert "ds/shard-000001.tar" in in_flight()  # left open by the kill (a lease renewal may be too)
