@@ -37,6 +37,7 @@ STATE_DIR = ".cosybatch"
 JOB_FILE = "job.json"
 JOURNAL_FILE = "journal.jsonl"
 LOCK_FILE = "lock"
+LEASE_FILE = "lease.json"  # under .cosybatch/ in a store: which run writes it now (objects.py)
 MANIFEST_FILE = "manifest.parquet"
 FAILURES_FILE = "failures.jsonl"
 STATS_FILE = "stats.json"
@@ -295,7 +296,10 @@ class OutputDir:
 
     def lock_held(self) -> bool:
         """Is a run writing this folder now? A shared, non-blocking probe released at once; it
-        tells the truth across hosts and containers, where a pid in the file says nothing."""
+        tells the truth across hosts and containers, where a pid in the file says nothing. For a
+        local view of a job in object storage: is the store's lease fresh (`leased`)?"""
+        if self.leased():
+            return True
         try:
             fd = os.open(self.state / LOCK_FILE, os.O_RDONLY)
         except OSError:
@@ -307,6 +311,17 @@ class OutputDir:
         finally:
             os.close(fd)  # closing releases the probe lock
         return False
+
+    def leased(self, now: Optional[float] = None) -> bool:
+        """A view of a job in object storage (objects.py) whose lease a run renewed lately (within
+        two of its terms): being written now. Judged by this machine's clock against the writer's."""
+        try:
+            lease = json.loads((self.state / LEASE_FILE).read_text())
+        except (OSError, ValueError):
+            return False
+        written, seconds = (lease.get("written"), lease.get("seconds")) if isinstance(lease, dict) else (None, None)
+        return isinstance(written, (int, float)) and isinstance(seconds, (int, float)) and \
+            (time.time() if now is None else now) - written < 2 * seconds
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

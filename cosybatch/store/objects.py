@@ -57,6 +57,7 @@ from ..errors import OutputError, UsageError
 from ..sources import is_uri, redacted, store_error, store_for
 from .checkpoint import (
     JOB_FILE,
+    LEASE_FILE,
     MANIFEST_FILE,
     RAY_FAILURES_DIR,
     RAY_ITEMS_DIR,
@@ -74,7 +75,7 @@ from .shards import shard_name
 log = logging.getLogger("cosybatch")
 
 COMMITS = f"{STATE_DIR}/commits"
-LEASE = f"{STATE_DIR}/lease.json"
+LEASE = f"{STATE_DIR}/{LEASE_FILE}"
 CHUNK = 8 << 20  # bytes a transfer moves at a time
 READERS = 32  # small objects (commit segments) read at once: a resume of 10,000 shards is 10,000 GETs
 _SEGMENT = re.compile(r"(\d{8})\.jsonl")

@@ -69,16 +69,6 @@ def _ray_counts(folder: Path) -> tuple[int, int]:
     return done, failed
 
 
-def _leased(path: Path, now: float) -> bool:
-    """A job in object storage (read in a local view) whose lease a run renewed lately (within two
-    of its terms): being written now. Judged by this machine's clock against the writer's."""
-    lease = _read_json(path)
-    if lease is None:
-        return False
-    written, seconds = lease.get("written"), lease.get("seconds")
-    return isinstance(written, (int, float)) and isinstance(seconds, (int, float)) and now - written < 2 * seconds
-
-
 def part_status(folder: Path, now: Optional[float] = None) -> dict:
     now = time.time() if now is None else now
     state = folder / STATE_DIR
@@ -94,7 +84,7 @@ def part_status(folder: Path, now: Optional[float] = None) -> dict:
         pid_text = (state / LOCK_FILE).read_text().strip()
     except OSError:
         pid_text = ""
-    running = OutputDir(folder).lock_held() or _leased(state / "lease.json", now)
+    running = OutputDir(folder).lock_held()
     if running:
         status = "running"
     elif stats is not None and stats.get("wall_seconds") is not None and (

@@ -123,11 +123,12 @@ def test_options_ray_run_cannot_honour_are_refused(tmp_path):
 
 def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3_server, tmp_path, monkeypatch):
     """Two Ray nodes (ray.cluster_utils.Cluster, one actor CPU each, so the two actors sit on two
-    nodes) and a store: each actor uploads its chunk's shard; the driver's staging folder never
-    holds one; a rerun from an empty staging folder adds nothing; the store's manifest lists every
-    id once and each is in the shard it names."""
+    nodes) and a store holding the corpus (three parts) and the dataset: each actor uploads its
+    chunk's shard; the driver's staging folder never holds one; a rerun from an empty staging
+    folder adds nothing; the store's manifest lists every id once and each is in the shard it
+    names."""
     import pyarrow.parquet as pq
-    from helpers import S3_ENV, download_prefix, s3_fs, write_jsonl
+    from helpers import S3_ENV, download_prefix, s3_fs
     from ray.cluster_utils import Cluster
 
     for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
@@ -135,7 +136,10 @@ def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3_se
     fs = s3_fs(s3_server)
     fs.create_dir("speech")
     data = rows(24)
-    corpus = write_jsonl(tmp_path / "c.jsonl", data)
+    for part in range(3):  # the corpus in the store too, as JSONL parts
+        with fs.open_output_stream(f"speech/corpus/part-{part}.jsonl", compression=None) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in data[part * 8:(part + 1) * 8]).encode())
+    corpus = "s3://speech/corpus/"
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         nodes.add_node(num_cpus=1)

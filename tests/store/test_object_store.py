@@ -141,6 +141,9 @@ def test_a_run_to_s3_commits_each_shard_after_its_upload_and_reruns_anywhere(s3_
     assert last_json(status)["root"] == "s3://speech/ds"
     verified = cli("verify", "s3://speech/ds", "--json", env=env_for(s3_server))
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    scored = cli("qc", "s3://speech/ds", "--json", env=env_for(s3_server))
+    assert scored.returncode == 0, scored.stderr
+    assert last_json(scored)["clips"] == 9
     exported = cli("export", "s3://speech/ds", "--to", "nemo", env=env_for(s3_server))
     assert exported.returncode == 0, exported.stderr
     assert last_json(exported)["nemo"] == "s3://speech/ds/exports/nemo/tarred_audio_manifest.json"
@@ -148,6 +151,7 @@ def test_a_run_to_s3_commits_each_shard_after_its_upload_and_reruns_anywhere(s3_
     download_prefix(fs, "speech/ds", read)
     nemo = [json.loads(line) for line in (read / "exports/nemo/tarred_audio_manifest.json").read_text().splitlines()]
     assert sorted(r["id"] for r in nemo) == sorted(r["id"] for r in rows)
+    assert pq.read_table(read / "qc.parquet").num_rows == 9 and (read / "report.html").exists()
     for tar in (read / "exports/nemo").glob("audio_*.tar"):  # the store's copies of the shards, byte for byte
         assert tar.read_bytes() == (read / f"shard-{int(tar.stem.split('_')[1]):06d}.tar").read_bytes()
 
@@ -259,6 +263,13 @@ def test_two_workers_on_two_machines_then_merge_on_the_uri(s3_server, tmp_path):
         proc = run_to(corpus, "s3://speech/job", tmp_path / f"machine-{index}", s3_server, "--shard", f"{index}/2")
         assert proc.returncode == 0, proc.stderr
         assert last_json(proc)["out"] == f"s3://speech/job/part-{index:05d}-of-00002"
+    lease = json.dumps({"owner": "x", "host": "elsewhere", "pid": 7, "beats": 0, "seconds": 60,
+                        "written": time.time()}).encode()
+    with fs.open_output_stream("speech/job/part-00001-of-00002/.cosybatch/lease.json", compression=None) as f:
+        f.write(lease)  # a run writing part 1 now, as far as the store says
+    refused = cli("merge", "s3://speech/job", env=env_for(s3_server))
+    assert refused.returncode == 2 and "part-00001-of-00002 is being written by a run now" in refused.stderr
+    fs.delete_file("speech/job/part-00001-of-00002/.cosybatch/lease.json")
     merged = cli("merge", "s3://speech/job", env=env_for(s3_server))
     assert merged.returncode == 0, merged.stderr
     assert last_json(merged)["items"] == 10 and last_json(merged)["problems"] == []
