@@ -197,6 +197,9 @@ def _killed_mid_upload(s3_server: str, tmp_path: Path, rows: list[dict], staging
     assert status.returncode == 0, status.stderr
     assert last_json(status)["status"] == "running"
     assert last_json(status)["done"] == segments_items(s3_fs(s3_server), "speech/ds") > 0
+    second = run_to(corpus, "s3://speech/ds", tmp_path / "machine-c", s3_server)  # a second writer, elsewhere
+    assert second.returncode == 2, second.stderr
+    assert "being written by another cosybatch run" in second.stderr and not (tmp_path / "machine-c").exists()
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert "ds/shard-000001.tar" in in_flight()  # left open by the kill (a lease renewal may be too)
