@@ -197,6 +197,8 @@ class Job:
         adopt_legacy_fingerprint(self.out, cfg, corpus, fingerprint)
         was = self.out.check_or_start(fingerprint, cfg.output.restart, cfg.output.allow_corpus_change)
         resumed = self.runner.resume(self.out, corpus, was)
+        if self.sink is not None:
+            self.sink.resumed()  # staging repaired: what it sealed before a kill is uploaded first
         state = resumed.state
         self.repairs, self.quarantined = resumed.repairs, resumed.quarantined
         self.last_success = _previous_success(cfg.output.folder)

@@ -443,11 +443,15 @@ class ObjectSink:
                 (out.root / shard_name(index)).unlink()
         self._thread = threading.Thread(target=self._upload_loop, daemon=True, name="upload")
         self._thread.start()
-        # Shards sealed in staging by a run killed before their upload go first.
-        for index, shard in sorted(ledger.shards.items()):
-            if shard.closed and index not in self.stored:
-                self.sealed(index)
         out.sealed_hook = self.sealed
+
+    def resumed(self) -> None:
+        """After the run's repair of staging: the shards a run killed before their upload sealed
+        there are uploaded first (those the repair found whole; a lost one's rows are made again)."""
+        ledger = Ledger.replay(self.out.journal_path)
+        for index, shard in sorted(ledger.shards.items()):
+            if shard.closed and index not in self.stored and (self.out.root / shard_name(index)).exists():
+                self.sealed(index)
 
     def _clear_store(self) -> None:
         for name in self.store.list():

@@ -329,3 +329,18 @@ def test_bad_credentials_are_refused_before_any_work(s3_server_checking_credenti
     assert "ACCESS_DENIED" in proc.stderr and "the credentials (AWS_ACCESS_KEY_ID" in proc.stderr
     assert "testing" not in proc.stderr  # the key is not repeated back
     assert not staging.exists()
+
+
+def test_a_shard_damaged_in_staging_before_its_upload_is_repaired_first(s3_server, tmp_path):
+    """Staging's sealed shard is cut after the kill: the rerun repairs staging before it uploads
+    anything, so the store gets the shard's whole members only, and the rest are made again."""
+    rows = corpus_rows(12)
+    staging = tmp_path / "machine-a"
+    corpus = _killed_mid_upload(s3_server, tmp_path, rows, staging)
+    sealed = staging / "shard-000001.tar"
+    with open(sealed, "r+b") as f:
+        f.truncate(sealed.stat().st_size - 3000)  # into the last member
+    rerun = run_to(corpus, "s3://speech/ds", staging, s3_server)
+    assert rerun.returncode == 0, rerun.stderr
+    items = store_items(s3_fs(s3_server), "speech/ds", tmp_path / "read")
+    assert sorted(items) == sorted(r["id"] for r in rows)
