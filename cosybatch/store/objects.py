@@ -79,6 +79,8 @@ LEASE = f"{STATE_DIR}/{LEASE_FILE}"
 CHUNK = 8 << 20  # bytes a transfer moves at a time
 READERS = 32  # small objects (commit segments) read at once: a resume of 10,000 shards is 10,000 GETs
 _SEGMENT = re.compile(r"(\d{8})\.jsonl")
+_CHECKPOINT = re.compile(r"upto-(\d{8})\.jsonl")
+CHECKPOINT_EVERY = 256  # commit segments between checkpoints of the whole journal: a resume reads at most this many
 _SHARD = re.compile(r"shard-(\d{6,}|[0-9a-f]{20})\.tar")  # run's numbered shards, ray-run's hashed ones
 # What the end of a run uploads besides the shards (when present in staging), and the folder of exports.
 DERIVED = ("manifest.parquet", "failures.jsonl", "stats.json", "README.md", "report.html",
@@ -125,7 +127,7 @@ class Store:
                 raise UsageError(f"{self.shown}: the bucket {self.bucket!r} does not exist (or these credentials "
                                  "cannot see it). Create it, or check the URI, the credentials and "
                                  "AWS_ENDPOINT_URL")
-            self.list(STATE_DIR)
+            self.fs.get_file_info(self.key(f"{STATE_DIR}/{JOB_FILE}"))  # a request under the prefix itself
         except UsageError:
             raise
         except OSError as exc:
@@ -198,26 +200,34 @@ class Store:
 # -- the store's journal -------------------------------------------------------------------------
 
 
-def segments(store: Store) -> list[str]:
-    """The commit segments' names in order (a gap ends the journal: what follows it was never
-    committed in sequence)."""
-    found = sorted(int(m.group(1)) for n in store.list(COMMITS) if (m := _SEGMENT.fullmatch(n.rsplit("/", 1)[-1])))
-    names = []
-    for expected, seq in enumerate(found):
-        if seq != expected:
-            log.warning("%s: commit segment %08d is missing; the segments after it are ignored", store.shown, expected)
+def journal_objects(store: Store, listed: Optional[dict[str, int]] = None) -> tuple[list[str], int]:
+    """(the objects that hold the store's journal, in order; the next segment's number): the
+    newest checkpoint (`upto-N.jsonl`: segments 0..N-1 in one object), then the segments from N
+    on. A gap ends the journal: what follows it was never committed in sequence. `listed`: the
+    prefix's listing, when the caller has it."""
+    listed = store.list(COMMITS) if listed is None else listed
+    names = [n.rsplit("/", 1)[-1] for n in listed if n.startswith(f"{COMMITS}/")]
+    checkpoints = sorted(int(m.group(1)) for n in names if (m := _CHECKPOINT.fullmatch(n)))
+    start = checkpoints[-1] if checkpoints else 0
+    found = sorted(seq for n in names if (m := _SEGMENT.fullmatch(n)) and (seq := int(m.group(1))) >= start)
+    objects = [f"{COMMITS}/upto-{start:08d}.jsonl"] if checkpoints else []
+    seq = start
+    for seq_found in found:
+        if seq_found != seq:
+            log.warning("%s: commit segment %08d is missing; the segments after it are ignored", store.shown, seq)
             break
-        names.append(f"{COMMITS}/{seq:08d}.jsonl")
-    return names
+        objects.append(f"{COMMITS}/{seq:08d}.jsonl")
+        seq += 1
+    return objects, seq
 
 
-def store_journal(store: Store) -> tuple[bytes, int]:
-    """(the store's journal, its number of segments), the segments read READERS at a time."""
+def store_journal(store: Store, listed: Optional[dict[str, int]] = None) -> tuple[bytes, int]:
+    """(the store's journal, the next segment's number), its objects read READERS at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    names = segments(store)
+    names, seq = journal_objects(store, listed)
     with ThreadPoolExecutor(READERS) as pool:
-        return b"".join(data or b"" for data in pool.map(store.read, names)), len(names)
+        return b"".join(data or b"" for data in pool.map(store.read, names)), seq
 
 
 def stored_shards(journal: bytes, listed: dict[str, int]) -> dict[int, int]:
@@ -243,7 +253,7 @@ def materialise(store: Store, folder: Path, shards: bool = False) -> OutputDir:
     out.state.mkdir(exist_ok=True)
     info = store.listing()
     listed = {name: size for name, (size, _) in info.items()}
-    journal, _ = store_journal(store)
+    journal, _ = store_journal(store, listed)
     write_atomic(out.journal_path, journal)
     stored = stored_shards(journal, listed)
     write_atomic(out.state / STORED_FILE, json_bytes({str(k): v for k, v in stored.items()}))
@@ -382,7 +392,8 @@ class ObjectSink:
     def __init__(self, store: Store, out: OutputDir, lease_s: float):
         self.store, self.out = store, out
         self.lease = Lease(store, lease_s)
-        self.segments = 0
+        self.segments = 0  # the next commit segment's number
+        self._checkpoint = 0  # the newest checkpoint's: segments from it on are objects of their own
         self.committed_bytes = 0  # of the staging journal, in segments already
         self.stored: dict[int, int] = {}
         self._job_uploaded: Optional[bytes] = None
@@ -407,8 +418,9 @@ class ObjectSink:
             self._clear_store()
             out.clear()
         remote_job = store.read(f"{STATE_DIR}/{JOB_FILE}")
-        journal, self.segments = store_journal(store)
         listed = store.list()
+        journal, self.segments = store_journal(store, listed)
+        self._checkpoint = self.segments
         if remote_job is None:
             if self.segments or any(_SHARD.fullmatch(n) for n in listed):
                 raise UsageError(f"{store.shown} holds shards or commits but no cosybatch job record "
@@ -538,6 +550,29 @@ class ObjectSink:
         self.store.write(f"{COMMITS}/{self.segments:08d}.jsonl", data)
         self.segments += 1
         self.committed_bytes += len(data)
+        if self.segments - self._checkpoint >= CHECKPOINT_EVERY:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """The journal so far as one object (`upto-N.jsonl`, N the next segment's number), then the
+        segments and checkpoints it replaces are deleted: a resume reads one object and the
+        segments after it, not one object per shard. A kill between the two leaves objects a
+        reader skips (they precede the newest checkpoint)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.segments == self._checkpoint:
+            return
+        with open(self.out.journal_path, "rb") as f:
+            self.store.write(f"{COMMITS}/upto-{self.segments:08d}.jsonl", f.read(self.committed_bytes))
+        stale = []
+        for name in self.store.list(COMMITS):
+            base = name.rsplit("/", 1)[-1]
+            m = _SEGMENT.fullmatch(base) or _CHECKPOINT.fullmatch(base)
+            if m and int(m.group(1)) < self.segments:
+                stale.append(name)
+        with ThreadPoolExecutor(READERS) as pool:
+            list(pool.map(self.store.delete, stale))
+        self._checkpoint = self.segments
 
     def drain(self) -> None:
         """Wait for the uploads queued so far; raise what stopped them."""
@@ -577,6 +612,7 @@ class ObjectSink:
             self._upload_job()
             self.lease.check()
             self._write_segment(through=None)
+            self.checkpoint()  # the next run reads the journal as one object
         upload_tree(self.store, self.out.root, [*(DERIVED if complete else ("stats.json",)),
                                                 *(["exports"] if complete else [])])
         for path in [*(self.out.root / shard_name(i) for i in self.stored), *self._fetched]:

@@ -121,7 +121,11 @@ def test_a_run_to_s3_commits_each_shard_after_its_upload_and_reruns_anywhere(s3_
     segments = [n for n in listed if n.startswith(".cosybatch/commits/")]
     assert len(shards) >= 2 and shards == sorted({m["shard"] for m in
                                                   pq.read_table(tmp_path / "read" / "manifest.parquet").to_pylist()})
-    assert len(segments) == len(shards)  # one commit per shard; no failures to commit at the end
+    # One commit segment per shard, replaced at the end by one checkpoint of the whole journal.
+    assert segments == [f".cosybatch/commits/upto-{len(shards):08d}.jsonl"]
+    closed = [json.loads(line)["shard"] for line in (tmp_path / "read" / segments[0]).read_text().splitlines()
+              if json.loads(line)["t"] == "closed"]
+    assert closed == list(range(len(shards)))
     assert {"manifest.parquet", "stats.json", "README.md", ".cosybatch/job.json"} <= set(listed)
     assert LEASE not in listed  # given back at the end
     assert json.loads((tmp_path / "read" / "stats.json").read_text())["status"] == "complete"
@@ -255,7 +259,8 @@ def test_a_corpus_part_changed_in_the_store_is_refused_naming_it_and_restart_sta
     items = store_items(fs, "speech/ds", tmp_path / "read")
     assert sorted(items) == sorted([r["id"] for r in rows if rows.index(r) % 3 != 1] + ["new"])
     download = tmp_path / "read"
-    assert len([p for p in download.glob(".cosybatch/commits/*.jsonl")]) == len(list(download.glob("shard-*.tar")))
+    assert [p.name for p in download.glob(".cosybatch/commits/*.jsonl")] == \
+        [f"upto-{len(list(download.glob('shard-*.tar'))):08d}.jsonl"]  # the old job's commits are gone
 
 
 def test_two_workers_on_two_machines_then_merge_on_the_uri(s3_server, tmp_path):
@@ -344,3 +349,35 @@ def test_a_shard_damaged_in_staging_before_its_upload_is_repaired_first(s3_serve
     assert rerun.returncode == 0, rerun.stderr
     items = store_items(s3_fs(s3_server), "speech/ds", tmp_path / "read")
     assert sorted(items) == sorted(r["id"] for r in rows)
+
+
+def test_the_journal_is_its_newest_checkpoint_then_the_segments_after_it(s3_server, tmp_path, monkeypatch):
+    """Checkpoints every few commits (here 3) keep a resume to a few objects; the segments they
+    replace are deleted, and the journal read back is the journal written."""
+    from cosybatch.config import RunConfig
+    from cosybatch.run.local import run
+    from cosybatch.store import objects
+
+    for key, value in env_for(s3_server).items():
+        monkeypatch.setenv(key, value)
+    fs = bucket(s3_server)
+    store = Store("s3://speech/journal")
+    for name, text in (("upto-00000004", "a\nb\n"), ("00000002", "old\n"), ("00000004", "c\n"),
+                       ("00000005", "d\n"), ("00000007", "after a gap\n")):
+        store.write(f".cosybatch/commits/{name}.jsonl", text.encode())
+    assert objects.store_journal(store) == (b"a\nb\nc\nd\n", 6)
+
+    monkeypatch.setattr(objects, "CHECKPOINT_EVERY", 3)
+    rows = corpus_rows(8)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    cfg = RunConfig.from_options(corpus=corpus, out="s3://speech/ds", staging=tmp_path / "staging", engine="tone",
+                                 progress="none", shard_max_items=1, batch_size=1, lease=2)
+    assert run(cfg).status == "complete"
+    staged = (tmp_path / "staging" / ".cosybatch" / "journal.jsonl").read_bytes()
+    names = sorted(n.rsplit("/", 1)[-1] for n in Store("s3://speech/ds").list(".cosybatch/commits"))
+    assert names == ["upto-00000008.jsonl"]
+    assert objects.store_journal(Store("s3://speech/ds")) == (staged, 8)
+    again = run(cfg.with_options(out="s3://speech/ds", staging=tmp_path / "fresh"))
+    assert again.status == "complete" and again.stats["items_done"] == 0
+    assert (tmp_path / "fresh" / ".cosybatch" / "journal.jsonl").read_bytes() == staged
+    assert sorted(store_items(fs, "speech/ds", tmp_path / "read")) == sorted(r["id"] for r in rows)
