@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import tarfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -215,9 +216,11 @@ def _journal_records(path: Path):
 
 
 def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Optional[dict] = None,
-                     seed: int = 0) -> Optional[Path]:
+                     seed: int = 0, clip: Optional[Callable[[str], bytes]] = None) -> Optional[Path]:
     """ROOT/report.html from `rows` (an audit's), or from the manifest's qc columns (a run's end).
-    Returns its path, or None when the folder holds no measured clip."""
+    `clip`: id -> its audio member's bytes, where the shards are not in ROOT (a job in object
+    storage); by default they are read from ROOT's shards. Returns its path, or None when the
+    folder holds no measured clip."""
     from .report import write_report
 
     root = Path(root)
@@ -240,7 +243,7 @@ def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Opt
         r["qc_score"] = r.get("qc_score") or 0.0
     path = root / REPORT_FILE
     points, rate = _throughput(root)
-    write_report(path, rows, summary or {}, _clips(root, rows), seed=seed, throughput=points, rate=rate,
+    write_report(path, rows, summary or {}, clip or _clips(root, rows), seed=seed, throughput=points, rate=rate,
                  title=f"cosybatch report: {root.name}")
     return path
 

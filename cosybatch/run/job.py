@@ -285,7 +285,8 @@ class Job:
             summary = {"items": totals["items_done"], "failed": totals["items_failed"],
                        "audio_hours": round(totals["audio_seconds"] / 3600, 4), "engine": stats.get("engine"),
                        "voice": stats.get("voice"), "qc": stats.get("qc")}
-            write_job_report(self.cfg.output.folder, summary=summary, seed=self.cfg.engine.seed)
+            write_job_report(self.cfg.output.folder, summary=summary, seed=self.cfg.engine.seed,
+                             clip=self.sink.clip_reader() if self.sink is not None else None)
         except Exception as exc:
             log.warning("could not write %s: %s", self.cfg.output.folder / "report.html", exc)
 
@@ -327,13 +328,15 @@ class Job:
         self.stats.stage_s["prepare"] += dispatched.prepare_s
         too_many_failures = self.failure_limit_passed()  # also on a rerun that adds no new failure
         ended = self.runner.end(self.out, interrupted)  # never "complete" over a damaged folder
+        if self.sink is not None:  # the last shard's upload and commit, before stats.json counts it
+            self.sink.drain()
+            self.stats.stage_s["upload"] = self.sink.upload_s  # beside the run: its own thread
         problems, extra = ended.problems, ended.extra
         corpus_error = dispatched.corpus_error
         status = ("too_many_failures" if too_many_failures else "interrupted" if interrupted
                   else "damaged" if problems else "corpus_error" if corpus_error else "complete")
-        if status == "complete" and self.sink is not None and (cfg.output.exports or self.qc_settings.mode != "off"):
-            self.sink.drain()  # the exports and the report read the audio: every shard back in staging
-            self.sink.fetch_shards()
+        if status == "complete" and self.sink is not None and cfg.output.exports:
+            self.sink.fetch_shards()  # the exports read the audio: every shard back in staging
         if status == "complete" and cfg.output.exports:
             from ..store.exports import export
 

@@ -48,7 +48,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -64,6 +64,7 @@ from .checkpoint import (
     RUN_FILE,
     STATE_DIR,
     STORED_FILE,
+    Journal,
     Ledger,
     OutputDir,
     json_bytes,
@@ -77,6 +78,7 @@ log = logging.getLogger("cosybatch")
 COMMITS = f"{STATE_DIR}/commits"
 LEASE = f"{STATE_DIR}/{LEASE_FILE}"
 CHUNK = 8 << 20  # bytes a transfer moves at a time
+CLIP_RANGE = 64 << 20  # the most bytes the report reads from a store for one clip (its batch's span)
 READERS = 32  # small objects (commit segments) read at once: a resume of 10,000 shards is 10,000 GETs
 _SEGMENT = re.compile(r"(\d{8})\.jsonl")
 _CHECKPOINT = re.compile(r"upto-(\d{8})\.jsonl")
@@ -575,7 +577,8 @@ class ObjectSink:
         self._checkpoint = self.segments
 
     def drain(self) -> None:
-        """Wait for the uploads queued so far; raise what stopped them."""
+        """Wait for the uploads queued so far (the uploader stops: no shard is sealed after this);
+        raise what stopped them."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -602,6 +605,55 @@ class ObjectSink:
             if _SHARD.fullmatch(name) and not path.exists():
                 self.store.download(name, path)
                 self._fetched.append(path)
+
+    def clip_reader(self) -> Callable[[str], bytes]:
+        """id -> its audio member's bytes, read from the store without the shard: one ranged GET of
+        the bytes its batch's journal line spans (the report embeds a few dozen clips; fetching
+        their shards would fetch most of the dataset). An item the journal does not place (a
+        ray-run job keeps no journal) is read from its whole shard, fetched once."""
+        import io
+        import tarfile
+
+        import pyarrow.parquet as pq
+
+        from .audio import audio_ext
+
+        where: dict[str, tuple[str, int, int, str]] = {}  # id -> (shard, start, end, key)
+        ends: dict[int, int] = {}
+        for rec in Journal.read(self.out.journal_path):
+            if rec["t"] == "items":
+                start = ends.get(rec["shard"], 0)
+                for item in rec["items"]:
+                    where[item["id"]] = (shard_name(rec["shard"]), start, rec["end"], item.get("key", ""))
+                ends[rec["shard"]] = rec["end"]
+            elif rec["t"] == "lost":
+                ends[rec["shard"]] = rec["end"]
+        manifest = self.out.root / MANIFEST_FILE
+        listed = {r["id"]: (r["shard"], r["key"]) for r in pq.read_table(manifest, columns=["id", "shard", "key"])
+                  .to_pylist()} if manifest.exists() else {}
+
+        def clip(item_id: str) -> bytes:
+            if item_id in where:
+                shard, start, end, key = where[item_id]
+                if end - start > CLIP_RANGE:
+                    raise ValueError(f"the batch of {key} spans {end - start:,} bytes of {shard}, more than the "
+                                     f"{CLIP_RANGE:,} read for one clip")
+                with self.store.fs.open_input_file(self.store.key(shard)) as f:
+                    tar = tarfile.open(fileobj=io.BytesIO(f.read_at(end - start, start)))
+            else:
+                shard, key = listed[item_id]
+                path = self.out.root / shard
+                if not path.exists():
+                    self.store.download(shard, path)
+                    self._fetched.append(path)
+                tar = tarfile.open(path)
+            with tar:
+                for member in tar:
+                    if member.name.partition(".")[0] == key and audio_ext(member.name) and member.isfile():
+                        return tar.extractfile(member).read()
+            raise ValueError(f"{shard} holds no audio member of {key} where the journal says")
+
+        return clip
 
     def finish(self, status: str) -> None:
         """After the job: wait for the uploads, commit the journal's rest (failures after the

@@ -88,7 +88,7 @@ def store_items(fs, prefix: str, dest: Path) -> dict[str, dict]:
                 audio, _ = soundfile.read(io.BytesIO(members[name[:-5] + ".wav"]))
                 assert len(audio) == meta["num_samples"] > 0
                 assert meta["id"] not in found, f"{meta['id']} is in two shards"
-                found[meta["id"]] = meta
+                found[meta["id"]] = {**meta, "shard": shard, "key": name[:-5]}
     assert sorted(found) == sorted(ids)
     return found
 
@@ -113,6 +113,8 @@ def test_a_run_to_s3_commits_each_shard_after_its_upload_and_reruns_anywhere(s3_
     assert proc.returncode == 0, proc.stderr
     summary = last_json(proc)
     assert summary["out"] == "s3://speech/ds" and summary["items_done"] == 9
+    stats = json.loads((staging / "stats.json").read_text())
+    assert stats["stage_seconds"]["upload"] > 0 and stats["status"] == "complete"
     items = store_items(fs, "speech/ds", tmp_path / "read")
     assert sorted(items) == sorted(r["id"] for r in rows)
     listed = sorted(p.relative_to(tmp_path / "read").as_posix() for p in (tmp_path / "read").rglob("*")
@@ -130,6 +132,18 @@ def test_a_run_to_s3_commits_each_shard_after_its_upload_and_reruns_anywhere(s3_
     assert LEASE not in listed  # given back at the end
     assert json.loads((tmp_path / "read" / "stats.json").read_text())["status"] == "complete"
     assert not list(staging.glob("shard-*"))  # staging keeps no uploaded shard
+    # The report's clips were read from the store by range (no shard fetched): each is its member.
+    import base64
+    import re
+
+    page = (tmp_path / "read" / "report.html").read_text()
+    embedded = dict(re.findall(r'<audio controls preload="metadata" data-id="([^"]+)" src="data:audio/[a-z-]+;base64,'
+                               r'([A-Za-z0-9+/=]+)"', page))
+    assert len(embedded) == 9 and "could not be read" not in page
+    for item_id, data in embedded.items():
+        meta = items[item_id]
+        with tarfile.open(tmp_path / "read" / meta["shard"]) as tar:
+            assert base64.b64decode(data) == tar.extractfile(f"{meta['key']}.wav").read()
     for name in listed:
         if name.endswith((".json", ".jsonl", ".md")):
             assert "testing" not in (tmp_path / "read" / name).read_text(), f"a credential in {name}"
