@@ -18,8 +18,8 @@ resume   a store job of --shards committed shards (one tiny item each), built di
          and resume_state() as LocalRunner.resume calls them; the time of each part (store check,
          lease, listings, segment reads, journal replays) is printed. Also a whole rerun,
          `cosybatch run CORPUS --engine tone --out s3://... --qc off` (no report: with the quality
-         gate on, the end of a complete run downloads every shard back for report.html), which
-         must find every row done (items_done 0). Goal: the open under 10 s.
+         gate on, --rerun-qc signals, the end of a complete run downloads every shard back for
+         report.html), which must find every row done (items_done 0). Goal: the open under 10 s.
 
 parts    peak RSS of `cosybatch run FOLDER --engine tone --qc off` (the test plugin's engine: pip
          install ./tests/plugin) on the same --part-rows rows as 10 Parquet parts and as 1,000
@@ -332,7 +332,7 @@ def resume_open(server: MotoServer, tmp: Path, args) -> dict:
     for rnd in range(args.rerun_rounds):
         staging = tmp / f"rerun-staging-{rnd}"
         wall, summary = run_cli(cosybatch(str(corpus), "--engine", "tone", "--out", uri, "--staging", str(staging),
-                                          "--lease", "2", "--qc", "off"), server.env)
+                                          "--lease", "2", "--qc", args.rerun_qc), server.env)
         if summary["items_done"] != 0 or summary["job_totals"]["items_done"] != args.shards:
             raise SystemExit(f"the rerun did not find every row done: {summary}")
         shutil.rmtree(staging)
@@ -342,7 +342,7 @@ def resume_open(server: MotoServer, tmp: Path, args) -> dict:
     best = min(opens, key=lambda o: o["total_s"])
     return {"shards": args.shards, "build": built, "opens": opens, "best": best,
             "open_total_s_median": round(median([o["total_s"] for o in opens]), 3),
-            "rerun_wall_s": [round(w, 2) for w in reruns],
+            "rerun_wall_s": [round(w, 2) for w in reruns], "rerun_qc": args.rerun_qc,
             "goal_open_under_10s": best["total_s"] < 10}
 
 
@@ -414,6 +414,9 @@ def main() -> None:
     ap.add_argument("--resume-rounds", type=int, default=1, help="timed opens of the store job (fresh interpreters)")
     ap.add_argument("--rerun-rounds", type=int, default=1,
                     help="whole `cosybatch run` reruns of the store job (0: only the open is timed)")
+    ap.add_argument("--rerun-qc", default="off",
+                    help="--qc of the whole rerun (signals, the default of `cosybatch run`: the end of a complete "
+                         "run fetches every shard back from the store for report.html)")
     ap.add_argument("--part-rows", type=int, default=2000, help="rows of the parts measurement's corpus")
     ap.add_argument("--parts-rounds", type=int, default=1, help="rounds of the parts measurement")
     ap.add_argument("--parts-store", action="store_true",
@@ -472,7 +475,7 @@ def main() -> None:
             print(f"journal {b['journal_bytes'] / 1e6:.1f} MB in {b['segments']} segments, {b['items']} items; "
                   f"goal open < 10 s: {r['goal_open_under_10s']}")
             if r["rerun_wall_s"]:
-                print(f"whole rerun (cosybatch run ... --engine tone --qc off, items_done 0): "
+                print(f"whole rerun (cosybatch run ... --engine tone --qc {args.rerun_qc}, items_done 0): "
                       f"{', '.join(f'{w:.1f}' for w in r['rerun_wall_s'])} s")
         if parts_runs is not None:
             p = result["parts"]
