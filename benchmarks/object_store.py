@@ -10,16 +10,18 @@ upload   `cosybatch run examples/corpus.jsonl` (Piper, the default engine; --thr
          1.05), and the runs' own stats.json wall_seconds and write stage.
 
 resume   a store job of --shards committed shards (one tiny item each), built directly in the
-         store the way ObjectSink commits (shard-NNNNNN.tar objects in ShardWriter's tar layout,
-         one commit segment .cosybatch/commits/NNNNNNNN.jsonl per shard holding its `items` and
-         `closed` lines, and the job.json of a real `cosybatch run --engine tone` of the same
-         10,000-row corpus). Then, in a fresh interpreter, from an empty staging folder:
+         store as ObjectSink leaves it when killed after its last commit (shard-NNNNNN.tar objects
+         in ShardWriter's tar layout; one commit segment per shard holding its `items` and `closed`
+         lines, the first of them in one checkpoint upto-N.jsonl as one is written every
+         CHECKPOINT_EVERY commits, the rest as .cosybatch/commits/NNNNNNNN.jsonl; the job.json of a
+         real `cosybatch run --engine tone` of the same 10,000-row corpus). Then, in a fresh
+         interpreter, from an empty staging folder:
          ObjectSink(Store(uri), OutputDir(staging), lease_s=2).open(restart=False), then repair()
          and resume_state() as LocalRunner.resume calls them; the time of each part (store check,
          lease, listings, segment reads, journal replays) is printed. Also a whole rerun,
-         `cosybatch run CORPUS --engine tone --out s3://... --qc off` (no report: with the quality
-         gate on, --rerun-qc signals, the end of a complete run downloads every shard back for
-         report.html), which must find every row done (items_done 0). Goal: the open under 10 s.
+         `cosybatch run CORPUS --engine tone --out s3://... --qc off` (--rerun-qc signals: with the
+         quality gate's report, whose clips are read by range), which must find every row done
+         (items_done 0). Goal: the open under 10 s.
 
 parts    peak RSS of `cosybatch run FOLDER --engine tone --qc off` (the test plugin's engine: pip
          install ./tests/plugin) on the same --part-rows rows as 10 Parquet parts and as 1,000
@@ -80,10 +82,10 @@ def timed(owner, name, label, kind=None):
             calls[label] += 1
     setattr(owner, name, classmethod(wrapper) if kind == "classmethod" else wrapper)
 
-timed(o.Store, "check", "store.check (bucket + list .cosybatch/)")
+timed(o.Store, "check", "store.check (bucket, HEAD job.json)")
 timed(o.Lease, "acquire", "lease.acquire (incl. read-back sleep)")
-timed(o, "segments", "segments() (list commits/)")
-timed(o, "store_journal", "store_journal() (list + GET segments, 32 threads)")
+timed(o, "journal_objects", "journal_objects() (which objects hold the journal)")
+timed(o, "store_journal", "store_journal() (GET the checkpoint and the segments after it, 32 threads)")
 timed(o.Store, "list", "Store.list, all calls")
 timed(o.Store, "read", "Store.read, all calls (summed over threads)")
 timed(o, "stored_shards", "stored_shards() (parse journal)")
@@ -226,7 +228,7 @@ def upload_overhead(server: MotoServer, tmp: Path, args) -> dict:
         segments = sum(1 for p in listed if "/commits/" in p)
         shutil.rmtree(staging)
         print(f"round {rnd} s3     {wall:6.1f} s  ({stats['wall_seconds']:.1f} s in stats.json, {shards} shards, "
-              f"{segments} commit segments, {summary['items_done']} items)", flush=True)
+              f"{segments} commit objects, {summary['items_done']} items)", flush=True)
         return {"wall_s": wall}
 
     runs = alternate({"folder": folder, "s3": s3}, args.rounds, baseline="folder")
@@ -298,17 +300,29 @@ def build_store_job(server: MotoServer, tmp: Path, shards: int, prefix: str) -> 
                                "items": [record]}, separators=(",", ":")) + "\n"
                    + json.dumps({"t": "closed", "shard": k, "items": 1}, separators=(",", ":")) + "\n")
         store.write(shard_name(k), data)
-        store.write(f"{COMMITS}/{k:08d}.jsonl", segment.encode())
+        return segment.encode()
 
     t = time.perf_counter()
     with ThreadPoolExecutor(32) as pool:
-        list(pool.map(one, range(shards)))
+        segments = list(pool.map(one, range(shards)))
+    # As a run killed after its last commit leaves it: a checkpoint every CHECKPOINT_EVERY commits,
+    # and the segments after the newest one.
+    every = args_checkpoint_every()
+    cut = shards - shards % every
+    if cut:
+        store.write(f"{COMMITS}/upto-{cut:08d}.jsonl", b"".join(segments[:cut]))
+    for k in range(cut, shards):
+        store.write(f"{COMMITS}/{k:08d}.jsonl", segments[k])
     listed = store.list()
     built = {"build_s": round(time.perf_counter() - t, 1), "objects": len(listed),
-             "bytes": sum(listed.values())}
-    if sum(1 for n in listed if n.startswith(f"{COMMITS}/")) != shards:
-        raise SystemExit(f"built {len(listed)} objects, not {shards} segments + {shards} shards")
+             "bytes": sum(listed.values()), "checkpoint_upto": cut, "segments_after": shards - cut}
     return corpus, built
+
+
+def args_checkpoint_every() -> int:
+    from cosybatch.store.objects import CHECKPOINT_EVERY
+
+    return CHECKPOINT_EVERY
 
 
 def resume_open(server: MotoServer, tmp: Path, args) -> dict:
@@ -472,7 +486,7 @@ def main() -> None:
                    ["resume_state", f"{b['resume_state_s']:.2f}", "1"],
                    ["open + repair + resume_state", f"{b['total_s']:.2f}", ""],
                    ["sink.close (lease release)", f"{b['close_s']:.2f}", ""]], left=(0,))
-            print(f"journal {b['journal_bytes'] / 1e6:.1f} MB in {b['segments']} segments, {b['items']} items; "
+            print(f"journal {b['journal_bytes'] / 1e6:.1f} MB of {b['segments']} commits, {b['items']} items; "
                   f"goal open < 10 s: {r['goal_open_under_10s']}")
             if r["rerun_wall_s"]:
                 print(f"whole rerun (cosybatch run ... --engine tone --qc {args.rerun_qc}, items_done 0): "

@@ -410,13 +410,15 @@ def check_sizes(out: OutputDir, ledger: Optional[Ledger] = None) -> list[str]:
     ledger = ledger or Ledger.replay(out.journal_path)
     problems = []
     on_disk = shard_indices(out.root)
+    stored = out.stored()  # shards in the job's object store (objects.py), not here
     for index, shard in sorted(ledger.shards.items()):
         final = out.root / shard_name(index)
         items = ledger.items_in(index)
         if not shard.closed and (items or shard.end):
             problems.append(f"{final.name} was never finished ({items} items committed to its .partial)")
         elif not final.exists():
-            stored = out.stored()  # read after the miss: an upload records its shard before the local copy goes
+            if index not in stored:  # read again after a miss: an upload records its shard before the copy goes
+                stored = out.stored()
             if index in stored:
                 if stored[index] != shard.end + EOA_BYTES:
                     problems.append(f"{final.name} is {stored[index]} B in the store; the journal says "
