@@ -7,6 +7,7 @@ where the job lives. Under the prefix, laid out like a folder:
     shard-NNNNNN.tar                    sealed shards, each uploaded whole, then committed
     .cosybatch/job.json                 the job's record, as in a folder
     .cosybatch/commits/NNNNNNNN.jsonl   the journal, in segments (below)
+    .cosybatch/commits/upto-N.jsonl     a checkpoint: segments 0..N-1 as one object
     .cosybatch/lease.json               which run writes the prefix now (below)
     manifest.parquet, failures.jsonl, stats.json, README.md, report.html, exports/...  at the end
 
@@ -15,8 +16,11 @@ journal line), then uploaded as one object, its size checked, and only then comm
 K of the journal is written, holding the staging journal's lines from the end of segment K-1 to
 that `closed` line. A store's journal is its segments read in order; a shard object that no
 segment names (an upload killed before its commit) is never read as a shard, and the run that
-makes that shard again overwrites it. An upload that dies half way leaves no object at all
-(S3's multipart uploads are invisible until completed; pyarrow aborts them on an error). So a
+makes that shard again overwrites it. Every CHECKPOINT_EVERY commits, and at the end of a
+complete run, the journal so far is written as one object and the segments it holds are deleted,
+so that a resume reads a checkpoint and a few segments, not one object per shard. An upload that
+dies half way leaves no object at all (S3's multipart uploads are invisible until completed;
+pyarrow aborts them on an error). So a
 kill -9 at any moment loses at most the shards not yet committed: on this machine the staging
 folder still holds them and the rerun uploads them; on a fresh machine the rerun rebuilds its
 staging journal from the segments and makes their rows again.
