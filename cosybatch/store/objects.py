@@ -83,7 +83,8 @@ COMMITS = f"{STATE_DIR}/commits"
 LEASE = f"{STATE_DIR}/{LEASE_FILE}"
 CHUNK = 8 << 20  # bytes a transfer moves at a time
 CLIP_RANGE = 64 << 20  # the most bytes the report reads from a store for one clip (its batch's span)
-READERS = 32  # small objects (commit segments) read at once: a resume of 10,000 shards is 10,000 GETs
+READERS = 32  # small objects (commit segments, the end's files) sent or read at once
+READ_BACK_S = 0.5  # after writing its lease, a run reads it back no sooner than this
 _SEGMENT = re.compile(r"(\d{8})\.jsonl")
 _CHECKPOINT = re.compile(r"upto-(\d{8})\.jsonl")
 CHECKPOINT_EVERY = 256  # commit segments between checkpoints of the whole journal: a resume reads at most this many
@@ -287,7 +288,10 @@ def upload_tree(store: Store, folder: Path, names: list[str]) -> None:
     same names in the store. A store has no links: a link to a file of the folder (the NeMo
     export's audio_N.tar -> a shard) becomes a copy made by the store from the object of that
     file (no upload); any other link is skipped, never followed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     root = folder.resolve()
+    work = []
     for name in names:
         for path in sorted(folder.glob(name)):
             files = sorted(p for p in path.rglob("*") if p.is_file() or p.is_symlink()) \
@@ -297,9 +301,13 @@ def upload_tree(store: Store, folder: Path, names: list[str]) -> None:
                 if file.is_symlink():
                     real = file.resolve()
                     if real.is_relative_to(root):
-                        store.fs.copy_file(store.key(real.relative_to(root).as_posix()), store.key(target))
+                        work.append(lambda r=real, t=target: store.fs.copy_file(
+                            store.key(r.relative_to(root).as_posix()), store.key(t)))
                 elif file.is_file():
-                    store.upload(file, target)
+                    work.append(lambda f=file, t=target: store.upload(f, t))
+    with ThreadPoolExecutor(READERS) as pool:  # small files: their requests' latency, not their bytes, is the cost
+        for done in [pool.submit(w) for w in work]:
+            done.result()
 
 
 # -- the lease -------------------------------------------------------------------------------------
@@ -315,6 +323,7 @@ class Lease:
         self.lost: Optional[str] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._written = 0.0
 
     def _read(self) -> Optional[dict]:
         data = self.store.read(LEASE)
@@ -345,14 +354,20 @@ class Lease:
                                      f"{now.get('pid')} on {now.get('host')}; it renewed its lease "
                                      f"{LEASE} just now). Wait for it to finish, or write to another --out")
         self._write()
-        time.sleep(min(0.5, self.seconds / 20))  # a rival's write in the same moment shows in the read-back
+        self._written = time.monotonic()
+        self._thread = threading.Thread(target=self._renew, daemon=True, name="lease")
+        self._thread.start()
+
+    def confirm(self) -> None:
+        """Read the lease back, at least READ_BACK_S after `acquire` wrote it (the caller's work
+        in between counts): a rival that wrote it in the same moment shows now, and one of the
+        two is refused before either commits anything."""
+        time.sleep(max(0.0, self._written + min(READ_BACK_S, self.seconds / 20) - time.monotonic()))
         back = self._read()
         if not back or back.get("owner") != self.owner:
             raise UsageError(f"{self.store.shown}: another cosybatch run took the lease at the same moment "
                              f"(pid {back and back.get('pid')} on {back and back.get('host')}); rerun later, or "
                              "write to another --out")
-        self._thread = threading.Thread(target=self._renew, daemon=True, name="lease")
-        self._thread.start()
 
     def _renew(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -459,6 +474,7 @@ class ObjectSink:
         for index in list(shard_indices(out.root)):
             if index not in ledger.shards:  # staging's own shard the journal no longer names
                 (out.root / shard_name(index)).unlink()
+        self.lease.confirm()  # before the first upload can start
         self._thread = threading.Thread(target=self._upload_loop, daemon=True, name="upload")
         self._thread.start()
         out.sealed_hook = self.sealed

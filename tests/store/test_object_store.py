@@ -312,6 +312,7 @@ def test_the_lease_keeps_a_second_writer_out_and_a_dead_ones_lapses(s3_server, t
     store = Store("s3://speech/leased")
     first = Lease(store, 2)
     first.acquire()
+    first.confirm()
     with pytest.raises(UsageError, match="being written by another cosybatch run"):
         Lease(store, 2).acquire()  # watches the lease for 2 s: the first renews it
     first.check()
@@ -319,6 +320,7 @@ def test_the_lease_keeps_a_second_writer_out_and_a_dead_ones_lapses(s3_server, t
     first._thread.join()
     second = Lease(store, 2)
     second.acquire()  # the lease did not move for 2 s: taken over
+    second.confirm()
     with pytest.raises(OutputError, match="lost its lease"):
         first.check()  # the first run, were it only paused, commits nothing more
     second.release()
