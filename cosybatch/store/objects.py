@@ -324,6 +324,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._written = 0.0
+        self._confirmed = False
 
     def _read(self) -> Optional[dict]:
         data = self.store.read(LEASE)
@@ -361,13 +362,16 @@ class Lease:
     def confirm(self) -> None:
         """Read the lease back, at least READ_BACK_S after `acquire` wrote it (the caller's work
         in between counts): a rival that wrote it in the same moment shows now, and one of the
-        two is refused before either commits anything."""
+        two is refused before either commits anything. Once is enough."""
+        if self._confirmed:
+            return
         time.sleep(max(0.0, self._written + min(READ_BACK_S, self.seconds / 20) - time.monotonic()))
         back = self._read()
         if not back or back.get("owner") != self.owner:
             raise UsageError(f"{self.store.shown}: another cosybatch run took the lease at the same moment "
                              f"(pid {back and back.get('pid')} on {back and back.get('host')}); rerun later, or "
                              "write to another --out")
+        self._confirmed = True
 
     def _renew(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -436,6 +440,7 @@ class ObjectSink:
         except OSError as exc:
             raise store_error(store.uri, store.bucket, exc, "write the dataset's lease") from None
         if restart:
+            self.lease.confirm()  # nothing of the store is deleted before the lease is surely this run's
             self._clear_store()
             out.clear()
         remote_job = store.read(f"{STATE_DIR}/{JOB_FILE}")
@@ -474,14 +479,15 @@ class ObjectSink:
         for index in list(shard_indices(out.root)):
             if index not in ledger.shards:  # staging's own shard the journal no longer names
                 (out.root / shard_name(index)).unlink()
-        self.lease.confirm()  # before the first upload can start
         self._thread = threading.Thread(target=self._upload_loop, daemon=True, name="upload")
         self._thread.start()
         out.sealed_hook = self.sealed
 
     def resumed(self) -> None:
         """After the run's repair of staging: the shards a run killed before their upload sealed
-        there are uploaded first (those the repair found whole; a lost one's rows are made again)."""
+        there are uploaded first (those the repair found whole; a lost one's rows are made again).
+        The lease is read back first: by now the engines have loaded, so its wait is long past."""
+        self.lease.confirm()
         ledger = Ledger.replay(self.out.journal_path)
         for index, shard in sorted(ledger.shards.items()):
             if shard.closed and index not in self.stored and (self.out.root / shard_name(index)).exists():
@@ -521,6 +527,7 @@ class ObjectSink:
 
     def _commit(self, index: int) -> None:
         t = time.monotonic()
+        self.lease.confirm()  # (done at `resumed`; a caller that skipped it still never commits unconfirmed)
         name = shard_name(index)
         path = self.out.root / name
         size = self.store.upload(path, name)
