@@ -280,6 +280,8 @@ def materialise(store: Store, folder: Path, shards: bool = False) -> OutputDir:
         store.download(name, path)
         if mtime is not None:  # the store's time: `status` compares stats.json's with run.json's start
             os.utime(path, (mtime, mtime))
+    if (out.recorded() or {}).get("fingerprint", {}).get("runner") == "ray":
+        (out.state / RAY_FAILURES_DIR).mkdir(exist_ok=True)  # how a ray-run folder is told (a store has no folders)
     return out
 
 

@@ -14,6 +14,7 @@ from .checkpoint import (
     JOURNAL_FILE,
     LOCK_FILE,
     RAY_FAILURES_DIR,
+    RAY_ITEMS_DIR,
     RUN_FILE,
     STATE_DIR,
     STATS_FILE,
@@ -57,11 +58,15 @@ def _read_run(path: Path) -> tuple[dict, Optional[str]]:
 
 def _ray_counts(folder: Path) -> tuple[int, int]:
     """A ray-run folder has no journal: its finished shards and failure files are its state.
-    Only tar headers are read (one .json member per item), never the audio."""
+    Only tar headers are read (one .json member per item), never the audio. A view of a job in
+    object storage has each shard's item records (`ray-items/DIGEST.jsonl`) instead of the shard."""
     import tarfile
 
-    done = 0
+    recorded = {p.stem: p for p in (folder / STATE_DIR / RAY_ITEMS_DIR).glob("*.jsonl")}
+    done = sum(len([line for line in p.read_text().splitlines() if line.strip()]) for p in recorded.values())
     for shard in folder.glob("shard-*.tar"):
+        if shard.name[len("shard-"):-len(".tar")] in recorded:
+            continue
         with tarfile.open(shard) as tar:
             done += sum(1 for m in tar if m.name.endswith(".json"))
     failed = sum(len([line for line in p.read_text().splitlines() if line.strip()])

@@ -155,6 +155,13 @@ def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3_se
                         RayOptions(address=nodes.address, actors=2, rows_per_task=4))
         assert again.status == "complete" and again.stats["items_done"] == 0
         assert again.stats["job_totals"]["items_done"] == 24
+        from cosybatch.store.objects import job_view
+        from cosybatch.store.status import job_status
+
+        with job_view("s3://speech/ray", folder=tmp_path / "view") as view:  # `cosybatch status s3://...`
+            status = job_status(view)
+        assert (status["status"], status["done"], status["failed"]) == ("complete", 24, 0)
+        assert not list((tmp_path / "view").glob("shard-*"))  # from the shards' records, no shard fetched
     finally:
         ray.shutdown()
         nodes.shutdown()
