@@ -151,15 +151,29 @@ def moto_server(log_path: Path, **env: str):
 
 
 @pytest.fixture
-def s3_server(tmp_path):
-    """moto's S3 server for this test only, taking any credentials: its endpoint URL."""
-    with moto_server(tmp_path / "moto.log") as endpoint:
-        yield endpoint
-
-
-@pytest.fixture
 def s3_server_checking_credentials(tmp_path):
     """moto's S3 server checking every request's credentials (INITIAL_NO_AUTH_ACTION_COUNT=0):
     keys it never issued are refused, as a real store refuses bad ones."""
     with moto_server(tmp_path / "moto-auth.log", INITIAL_NO_AUTH_ACTION_COUNT="0") as endpoint:
         yield endpoint
+
+
+@pytest.fixture(scope="session")
+def s3_shared_server(tmp_path_factory):
+    """One moto S3 server for the session's (the xdist worker's) tests that take `s3`: its endpoint."""
+    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3(s3_shared_server, request):
+    """A bucket of this test's own (named from its id) in the session's moto server: `.endpoint`
+    and `.bucket`. Cheaper than a server per test; the buckets keep tests apart."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from helpers import s3_fs
+
+    name = "t-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    s3_fs(s3_shared_server).create_dir(name)
+    return SimpleNamespace(endpoint=s3_shared_server, bucket=name)

@@ -161,7 +161,7 @@ def assert_exactly_once(out: Path, expected_ids) -> dict:
     return items
 
 
-# -- object storage (moto's S3 server, the s3_server fixture) -----------------------------------------
+# -- object storage (moto's S3 server: the s3 fixture) ------------------------------------------------
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -198,23 +198,22 @@ def test_shards_split_the_parts_rows_by_id(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_corpus_of_parquet_parts_in_s3(s3_server, tmp_path):
+def test_a_corpus_of_parquet_parts_in_s3(s3, tmp_path):
     from pyarrow import fs as pafs
 
-    store = pafs.S3FileSystem(endpoint_override=s3_server.split("://")[1], scheme="http", access_key="testing",
+    store = pafs.S3FileSystem(endpoint_override=s3.endpoint.split("://")[1], scheme="http", access_key="testing",
                               secret_key="testing", region="us-east-1", allow_bucket_creation=True)
-    store.create_dir("speech")
     local = tmp_path / "parts"
     ids = parquet_parts(local)
     for part in sorted(local.iterdir()):
-        with store.open_output_stream(f"speech/corpus/{part.name}") as f:
+        with store.open_output_stream(f"{s3.bucket}/corpus/{part.name}") as f:
             f.write(part.read_bytes())
-    with store.open_output_stream("speech/corpus/_SUCCESS") as f:
+    with store.open_output_stream(f"{s3.bucket}/corpus/_SUCCESS") as f:
         f.write(b"")
-    env = {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}
+    env = {**S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint}
 
     out = tmp_path / "out"
-    proc = cli("run", "s3://speech/corpus/", "--out", out, "--engine", "tone", "--progress", "none", env=env)
+    proc = cli("run", f"s3://{s3.bucket}/corpus/", "--out", out, "--engine", "tone", "--progress", "none", env=env)
     assert proc.returncode == 0, proc.stderr
     assert_exactly_once(out, ids)
     job = json.loads((out / ".cosybatch" / "job.json").read_text())
@@ -225,8 +224,8 @@ def test_a_corpus_of_parquet_parts_in_s3(s3_server, tmp_path):
                 out / "README.md"]
     for path in recorded:
         assert "testing" not in path.read_text(), f"a credential in {path.name}"
-    assert json.loads((out / ".cosybatch" / "run.json").read_text())["corpus"] == "s3://speech/corpus/"
-    again = cli("run", "s3://speech/corpus/", "--out", out, "--engine", "tone", "--progress", "none", env=env)
+    assert json.loads((out / ".cosybatch" / "run.json").read_text())["corpus"] == f"s3://{s3.bucket}/corpus/"
+    again = cli("run", f"s3://{s3.bucket}/corpus/", "--out", out, "--engine", "tone", "--progress", "none", env=env)
     assert again.returncode == 0 and json.loads(again.stdout.splitlines()[-1])["items_done"] == 0
 
     missing = tmp_path / "missing"
@@ -241,9 +240,9 @@ def test_a_corpus_of_parquet_parts_in_s3(s3_server, tmp_path):
     for p in range(2):
         data = "".join(json.dumps({"text": f"Row {r} of part {p}."}) + "\n" for r in range(3)).encode()
         # compression=None: gzipped here, as a writer would; pyarrow would gzip it again by its suffix
-        with store.open_output_stream(f"speech/lines/part-{p}.jsonl.gz", compression=None) as f:
+        with store.open_output_stream(f"{s3.bucket}/lines/part-{p}.jsonl.gz", compression=None) as f:
             f.write(gzip.compress(data))
-    proc = cli("run", "s3://speech/lines/part-*.jsonl.gz", "--out", gz / "out", "--engine", "tone", "--progress",
+    proc = cli("run", f"s3://{s3.bucket}/lines/part-*.jsonl.gz", "--out", gz / "out", "--engine", "tone", "--progress",
                "none", env=env)
     assert proc.returncode == 0, proc.stderr
     assert_exactly_once(gz / "out", [f"part-{p}.jsonl.gz:{r}" for p in range(2) for r in range(3)])

@@ -121,7 +121,7 @@ def test_options_ray_run_cannot_honour_are_refused(tmp_path):
                 RayOptions())
 
 
-def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3_server, tmp_path, monkeypatch):
+def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3, tmp_path, monkeypatch):
     """Two Ray nodes (ray.cluster_utils.Cluster, one actor CPU each, so the two actors sit on two
     nodes) and a store holding the corpus (three parts) and the dataset: each actor uploads its
     chunk's shard; the driver's staging folder never holds one; a rerun from an empty staging
@@ -131,34 +131,34 @@ def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3_se
     from helpers import S3_ENV, download_prefix, s3_fs
     from ray.cluster_utils import Cluster
 
-    for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
+    for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint}.items():
         monkeypatch.setenv(key, value)  # before the nodes start: their workers inherit it
-    fs = s3_fs(s3_server)
-    fs.create_dir("speech")
+    fs = s3_fs(s3.endpoint)
     data = rows(24)
     for part in range(3):  # the corpus in the store too, as JSONL parts
-        with fs.open_output_stream(f"speech/corpus/part-{part}.jsonl", compression=None) as f:
+        with fs.open_output_stream(f"{s3.bucket}/corpus/part-{part}.jsonl", compression=None) as f:
             f.write("".join(json.dumps(r) + "\n" for r in data[part * 8:(part + 1) * 8]).encode())
-    corpus = "s3://speech/corpus/"
+    corpus = f"s3://{s3.bucket}/corpus/"
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         nodes.add_node(num_cpus=1)
         nodes.wait_for_nodes()
         ray.init(address=nodes.address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
-        cfg = RunConfig.from_options(corpus=corpus, out="s3://speech/ray", staging=tmp_path / "driver", progress="none")
+        cfg = RunConfig.from_options(corpus=corpus, out=f"s3://{s3.bucket}/ray", staging=tmp_path / "driver",
+                                     progress="none")
         result = ray_run(cfg, RayOptions(address=nodes.address, actors=2, rows_per_task=4))
         assert result.status == "complete" and result.stats["items_done"] == 24
-        assert result.stats["out"] == "s3://speech/ray"
+        assert result.stats["out"] == f"s3://{s3.bucket}/ray"
         assert not list((tmp_path / "driver").rglob("shard-*"))
-        again = ray_run(cfg.with_options(out="s3://speech/ray", staging=tmp_path / "other-driver"),
+        again = ray_run(cfg.with_options(out=f"s3://{s3.bucket}/ray", staging=tmp_path / "other-driver"),
                         RayOptions(address=nodes.address, actors=2, rows_per_task=4))
         assert again.status == "complete" and again.stats["items_done"] == 0
         assert again.stats["job_totals"]["items_done"] == 24
         from cosybatch.store.objects import job_view
         from cosybatch.store.status import job_status
 
-        with job_view("s3://speech/ray", folder=tmp_path / "view") as view:  # `cosybatch status s3://...`
+        with job_view(f"s3://{s3.bucket}/ray", folder=tmp_path / "view") as view:  # `cosybatch status s3://...`
             status = job_status(view)
         assert (status["status"], status["done"], status["failed"]) == ("complete", 24, 0)
         assert not list((tmp_path / "view").glob("shard-*"))  # from the shards' records, no shard fetched
@@ -166,7 +166,7 @@ def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3_se
         ray.shutdown()
         nodes.shutdown()
     dest = tmp_path / "read"
-    download_prefix(fs, "speech/ray", dest)
+    download_prefix(fs, f"{s3.bucket}/ray", dest)
     manifest = pq.read_table(dest / "manifest.parquet").to_pylist()
     assert sorted(m["id"] for m in manifest) == sorted(r["id"] for r in data)
     shards = {m["shard"] for m in manifest}
