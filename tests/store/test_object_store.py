@@ -181,7 +181,6 @@ def _killed_mid_upload(s3, tmp_path: Path, rows: list[dict], staging: Path) -> s
     """A run of a corpus of parts in the store to s3://BUCKET/ds, killed with SIGKILL while a
     multipart upload of shard-000001.tar is in flight (checked with boto3: the store has the
     upload open, and no such object). Returns the corpus's URI."""
-    import boto3
 
     corpus = corpus_in_s3(s3_fs(s3.endpoint), rows, f"{s3.bucket}/corpus")
     mark = tmp_path / "hanging"
@@ -192,6 +191,18 @@ def _killed_mid_upload(s3, tmp_path: Path, rows: list[dict], staging: Path) -> s
          "--engine", "tone", "--progress", "none", "--shard-max-items", "2", "--lease", "2"],
         env={**os.environ, **env_for(s3.endpoint), "HANG_ON": "shard-000001.tar", "HANG_MARK": str(mark)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _until_mid_upload(proc, mark, s3, tmp_path, corpus)
+    finally:
+        if proc.poll() is None:  # a failing check must not leave the hung run behind
+            proc.kill()
+            proc.communicate()
+    return corpus
+
+
+def _until_mid_upload(proc: subprocess.Popen, mark: Path, s3, tmp_path: Path, corpus: str) -> None:
+    import boto3
+
     deadline = time.monotonic() + 120
     while not mark.exists():
         assert proc.poll() is None, proc.communicate()
@@ -217,7 +228,6 @@ def _killed_mid_upload(s3, tmp_path: Path, rows: list[dict], staging: Path) -> s
     assert "ds/shard-000001.tar" in in_flight()  # left open by the kill (a lease renewal may be too)
     listed = {o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])}
     assert "ds/shard-000000.tar" in listed and "ds/shard-000001.tar" not in listed
-    return corpus
 
 
 def test_kill_9_mid_upload_then_a_fresh_machine_resumes_exactly_once(s3, tmp_path):
