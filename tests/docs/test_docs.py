@@ -267,7 +267,6 @@ def test_every_block_is_run_or_declared_data(page):
     assert not unknown, f"{page_id(page)}: blocks neither run nor declared data (line, language): {unknown}"
 
 
-@pytest.mark.beside
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_the_blocks_run(page, tmp_path):
     work = tmp_path / "work"
