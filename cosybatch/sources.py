@@ -251,6 +251,21 @@ def store_error(uri: str, bucket: str, exc: BaseException, what: str = "list the
                       f"(AWS_ENDPOINT_URL: {endpoint or 'not set, so AWS itself'})")
 
 
+def check_bucket(fs, uri: str, bucket: str, what: str = "list the corpus") -> None:
+    """The bucket exists and these credentials reach it: else a usage error (exit 2) saying what
+    to check, before any work."""
+    from pyarrow import fs as pafs
+
+    try:
+        found = fs.get_file_info(bucket).type
+    except OSError as exc:
+        raise store_error(uri, bucket, exc, what) from None
+    if found == pafs.FileType.NotFound:
+        raise UsageError(f"{redacted(uri)}: the bucket {bucket!r} does not exist (or these credentials cannot "
+                         f"see it). Check the URI, the credentials and AWS_ENDPOINT_URL "
+                         f"({endpoint_url() or 'not set, so AWS itself'})")
+
+
 def _remote_parts(uri: str) -> tuple[str, list[Part]]:
     """(the corpus's name, its parts) in a store: one object, or every part under a prefix or
     matching a glob."""
@@ -265,11 +280,8 @@ def _remote_parts(uri: str) -> tuple[str, list[Part]]:
     if not bucket:
         raise UsageError(f"{redacted(uri)}: name a bucket, then the prefix, object or glob in it "
                          f"({scheme}://BUCKET/PREFIX/)")
+    check_bucket(fs, uri, bucket)
     try:
-        if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-            raise UsageError(f"{redacted(uri)}: the bucket {bucket!r} does not exist (or these credentials cannot "
-                             f"see it). Check the URI, the credentials and AWS_ENDPOINT_URL "
-                             f"({endpoint_url() or 'not set, so AWS itself'})")
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.File and pattern is None:
             listed = [info]
@@ -278,8 +290,6 @@ def _remote_parts(uri: str) -> tuple[str, list[Part]]:
             listed = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
                       if i.type == pafs.FileType.File]
             root = path
-    except UsageError:
-        raise
     except OSError as exc:
         raise store_error(uri, bucket, exc) from None
     parts = []

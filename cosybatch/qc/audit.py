@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from ..store.audio import audio_ext, decode
+from ..store.audio import audio_member, decode
 from ..store.checkpoint import MANIFEST_FILE, RUN_FILE, STATE_DIR, STATS_FILE, atomic_file
 from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
@@ -129,7 +129,7 @@ def _clips(root: Path, rows: list[dict]):
     def clip(item_id: str) -> bytes:
         shard, key = where[item_id]
         with open_regular(root / shard) as f, tarfile.open(fileobj=f) as tar:
-            member = next((m for m in tar if m.name.partition(".")[0] == key and audio_ext(m.name)), None)
+            member = audio_member(tar, key)
             if member is None:
                 raise NotReadable(f"{shard} holds no audio member of {key}")
             if not member.isfile():

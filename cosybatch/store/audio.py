@@ -122,6 +122,12 @@ def audio_ext(name: str) -> Optional[str]:
     return ext if "." in name and ext in AUDIO_EXTS else None
 
 
+def audio_member(tar, key: str):
+    """KEY's audio member (KEY.wav, KEY.flac, ...) in an open tarfile.TarFile, or None. Readers
+    split the key from the extension at the first dot."""
+    return next((m for m in tar if m.name.partition(".")[0] == key and audio_ext(m.name)), None)
+
+
 def mime_type(data: bytes) -> str:
     """The MIME type of an audio member's bytes, by their signature (the audit page's data: URIs)."""
     if data[:4] == b"fLaC":

@@ -279,6 +279,10 @@ class OutputDir:
             return {}
         return {int(k): int(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
+    def set_stored(self, stored: dict[int, int]) -> None:
+        """Record which shards live in the job's object store (index -> size), for `stored`."""
+        write_atomic(self.state / STORED_FILE, json_bytes({str(k): v for k, v in stored.items()}))
+
     # -- ownership ---------------------------------------------------------------------------
     def lock(self) -> None:
         """One writer per folder. flock dies with its process, so a killed run leaves no stale lock."""

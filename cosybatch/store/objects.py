@@ -58,7 +58,7 @@ from typing import Optional
 
 from ..cache import cache_root
 from ..errors import OutputError, UsageError
-from ..sources import is_uri, redacted, store_error, store_for
+from ..sources import check_bucket, is_uri, redacted, store_error, store_for
 from .checkpoint import (
     JOB_FILE,
     LEASE_FILE,
@@ -67,7 +67,6 @@ from .checkpoint import (
     RAY_ITEMS_DIR,
     RUN_FILE,
     STATE_DIR,
-    STORED_FILE,
     Journal,
     Ledger,
     OutputDir,
@@ -126,17 +125,9 @@ class Store:
 
     def check(self) -> None:
         """The bucket exists and these credentials can list it (UsageError, exit 2, before any work)."""
-        from pyarrow import fs as pafs
-
+        check_bucket(self.fs, self.uri, self.bucket, "reach the dataset")
         try:
-            found = self.fs.get_file_info(self.bucket).type
-            if found == pafs.FileType.NotFound:
-                raise UsageError(f"{self.shown}: the bucket {self.bucket!r} does not exist (or these credentials "
-                                 "cannot see it). Create it, or check the URI, the credentials and "
-                                 "AWS_ENDPOINT_URL")
             self.fs.get_file_info(self.key(f"{STATE_DIR}/{JOB_FILE}"))  # a request under the prefix itself
-        except UsageError:
-            raise
         except OSError as exc:
             raise store_error(self.uri, self.bucket, exc, "reach the dataset") from None
 
@@ -263,12 +254,12 @@ def materialise(store: Store, folder: Path, shards: bool = False) -> OutputDir:
     journal, _ = store_journal(store, listed)
     write_atomic(out.journal_path, journal)
     stored = stored_shards(journal, listed)
-    write_atomic(out.state / STORED_FILE, json_bytes({str(k): v for k, v in stored.items()}))
+    out.set_stored(stored)
     (folder / LEASE).unlink(missing_ok=True)
     wanted = [n for n in listed if n in (f"{STATE_DIR}/{JOB_FILE}", LEASE) or n in DERIVED or n.startswith("exports/")
               or n.startswith((f"{STATE_DIR}/{RAY_FAILURES_DIR}/", f"{STATE_DIR}/{RAY_ITEMS_DIR}/"))]
     if shards:  # the journal's shards, or a ray-run job's (it has no journal: its shards are its record)
-        wanted += [n for n in listed if _SHARD.fullmatch(n) and (not n[6:-4].isdigit() or int(n[6:-4]) in stored)]
+        wanted += [n for n in listed if (m := _SHARD.fullmatch(n)) and (not m[1].isdigit() or int(m[1]) in stored)]
     for path in folder.glob("shard-*.tar"):  # left from an earlier view: not the store's now
         if path.name not in wanted:
             path.unlink()
@@ -474,7 +465,7 @@ class ObjectSink:
             write_atomic(out.journal_path, journal)
         self.committed_bytes = len(journal)
         self.stored = stored_shards(journal, listed)
-        self._write_stored()
+        out.set_stored(self.stored)
         for index in self.stored:  # a copy in staging is not needed any more
             (out.root / shard_name(index)).unlink(missing_ok=True)
         ledger = Ledger.replay(out.journal_path)
@@ -501,18 +492,17 @@ class ObjectSink:
                                   or name.startswith("exports/")):
                 self.store.delete(name)
 
-    def _write_stored(self) -> None:
-        write_atomic(self.out.state / STORED_FILE, json_bytes({str(k): v for k, v in self.stored.items()}))
-
     # -- during the run ------------------------------------------------------------------------
     def sealed(self, index: int) -> None:
         """A shard was sealed in staging (its `closed` line is in the journal): upload and commit it.
         Raises what stopped an earlier upload, so that the run stops instead of filling staging."""
         if self.error is not None:
-            raise OutputError(f"uploading to {self.store.shown} failed ({self.error}); every committed shard is "
-                              "safe in the store and the rest in the staging folder: rerun the same command to "
-                              "resume")
+            raise self._failed(self.error)
         self._queue.put(index)
+
+    def _failed(self, error: BaseException) -> OutputError:
+        return OutputError(f"uploading to {self.store.shown} failed ({error}); every committed shard is safe in "
+                           "the store and the rest in the staging folder: rerun the same command to resume")
 
     def _upload_loop(self) -> None:
         while True:
@@ -540,7 +530,7 @@ class ObjectSink:
         self.lease.check()
         self._write_segment(through=index)
         self.stored[index] = size
-        self._write_stored()  # before the staging copy goes: a reader never finds neither
+        self.out.set_stored(self.stored)  # before the staging copy goes: a reader never finds neither
         path.unlink()
         self.upload_s += time.monotonic() - t
 
@@ -615,9 +605,7 @@ class ObjectSink:
         if self.error is not None:
             error, self.error = self.error, None
             if isinstance(error, OSError):
-                raise OutputError(f"uploading to {self.store.shown} failed ({error}); every committed shard is "
-                                  "safe in the store and the rest in the staging folder: rerun the same command "
-                                  "to resume") from error
+                raise self._failed(error) from error
             raise error
 
     # -- the end -------------------------------------------------------------------------------
@@ -645,7 +633,7 @@ class ObjectSink:
 
         import pyarrow.parquet as pq
 
-        from .audio import audio_ext
+        from .audio import audio_member
 
         where: dict[str, tuple[str, int, int, str]] = {}  # id -> (shard, start, end, key)
         ends: dict[int, int] = {}
@@ -677,10 +665,10 @@ class ObjectSink:
                     self._fetched.append(path)
                 tar = tarfile.open(path)
             with tar:
-                for member in tar:
-                    if member.name.partition(".")[0] == key and audio_ext(member.name) and member.isfile():
-                        return tar.extractfile(member).read()
-            raise ValueError(f"{shard} holds no audio member of {key} where the journal says")
+                member = audio_member(tar, key)
+                if member is None or not member.isfile():
+                    raise ValueError(f"{shard} holds no audio member of {key} where the journal says")
+                return tar.extractfile(member).read()
 
         return clip
 
