@@ -1,14 +1,32 @@
 """The edit that makes a Piper ONNX graph batchable and reproducible (see engine.py's notes): the
 frame-count tensor exposed as an output, each noise op replaced by a slice of a new input, and
-optionally its 1-D convolutions run as 2-D ones."""
+optionally its 1-D convolutions run as 2-D ones.
+
+The patched graph is cached (``$XDG_CACHE_HOME/cosybatch/piper-patched/KEY-DIGEST.onnx``, KEY
+hashing the voice's bytes, the conv2d setting and this module's source, so an edit here
+invalidates it): patching needs the onnx package, whose import alone is 0.1-0.8 s, and the patch
+itself 0.1-0.3 s, paid by every process that opened a voice. What the engine needs to know of the
+patch (PatchedGraph's fields) travels in the patched model's own metadata, so a cached graph needs
+no onnx at all. Where the cache folder is unusable the graph is patched in memory, as before.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
+from ...cache import cache_root, cached_file
 from ...errors import VoiceError
+
+log = logging.getLogger("cosybatch")
+
+CACHE_FOLDER = "piper-patched"
+METADATA_KEY = "cosybatch.patch"  # the model's metadata entry holding PatchedGraph's fields as JSON
 
 
 @dataclass(frozen=True)
@@ -21,8 +39,41 @@ class PatchedGraph:
     # length_scale, noise_w) per item; False: the model reads its scales another way (one per batch).
     per_item_scales: bool = False
 
+    def fields(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "model_bytes"}
+
+    @classmethod
+    def from_metadata(cls, model_bytes: bytes, metadata: dict) -> PatchedGraph:
+        """The graph of ``model_bytes``, its fields read from its metadata (an onnxruntime
+        session's ``get_modelmeta().custom_metadata_map``), as patch_graph wrote them."""
+        if METADATA_KEY not in metadata:
+            raise VoiceError(f"this graph carries no {METADATA_KEY!r} metadata: it was not patched by cosybatch")
+        f = json.loads(metadata[METADATA_KEY])
+        return cls(model_bytes, f["length_output"], tuple(f["noise_inputs"]), tuple(f["noise_on_frames"]),
+                   bool(f["per_item_scales"]))
+
 
 SCALES_INPUT = "cosybatch_scales"
+_SOURCE_SHA256 = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def patched_bytes(model_file: Path, conv2d: bool = False, folder: Path | None = None) -> bytes:
+    """The bytes of ``model_file``'s patched graph (PatchedGraph.from_metadata reads its fields):
+    from the cache, built there once; patched in memory where the cache folder is unusable."""
+    data = model_file.read_bytes()
+    folder = Path(folder) if folder is not None else cache_root() / CACHE_FOLDER
+    key = hashlib.sha256(json.dumps([hashlib.sha256(data).hexdigest(), bool(conv2d), _SOURCE_SHA256])
+                         .encode()).hexdigest()[:32]
+
+    def build(tmp: Path) -> None:
+        tmp.write_bytes(patch_graph(data, conv2d).model_bytes)
+
+    try:
+        return cached_file(folder, key, build).read_bytes()
+    except OSError as exc:
+        log.info("the patched-graph cache folder %s is not usable (%s); patching %s in memory",
+                 folder, exc, model_file.name)
+        return patch_graph(data, conv2d).model_bytes
 
 
 def patch_graph(model_bytes: bytes, conv2d: bool = False) -> PatchedGraph:
@@ -87,8 +138,9 @@ def patch_graph(model_bytes: bytes, conv2d: bool = False) -> PatchedGraph:
         graph.output.append(helper.make_tensor_value_info(f"{name}_shape", TensorProto.INT64, [3]))
         noise_inputs.append(name)
         on_frames.append(node.name not in before_length)
-    return PatchedGraph(model.SerializeToString(), length_output, tuple(noise_inputs), tuple(on_frames),
-                        per_item_scales)
+    fields = PatchedGraph(b"", length_output, tuple(noise_inputs), tuple(on_frames), per_item_scales).fields()
+    model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=json.dumps(fields)))
+    return PatchedGraph(model.SerializeToString(), **fields)
 
 
 def scales_per_item(graph) -> bool:
