@@ -49,8 +49,25 @@ def file_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
 
 
+_HASHED: dict[tuple, dict] = {}  # (path, device, inode, size, mtime) -> file_sha256's answer, this process
+
+
+def _stat_key(path: Path) -> tuple:
+    st = os.stat(path)
+    return (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def file_sha256(path: Path) -> dict:
-    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB)."""
+    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB). Hashed
+    once per process while the file's inode, size and mtime stay the same (a job's processes open
+    the same voice again and again: 0.1 s each for a 63 MB one)."""
+    key = _stat_key(path)
+    if key not in _HASHED:
+        _HASHED[key] = _file_sha256(path)
+    return dict(_HASHED[key])
+
+
+def _file_sha256(path: Path) -> dict:
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
@@ -81,7 +98,7 @@ def find_cached(folder: Path, key: str, suffix: str = ".onnx") -> Optional[Path]
     for path in sorted(folder.glob(f"{key}-*{suffix}")):
         digest = path.name[: -len(suffix)].rsplit("-", 1)[-1]
         try:
-            if len(digest) == 32 and sha256_hex(path).startswith(digest):
+            if len(digest) == 32 and file_sha256(path)["sha256"].startswith(digest):
                 return path
         except OSError:
             continue

@@ -38,7 +38,7 @@ from ..base import (
     bounded,
     item_seed,
 )
-from .graph import SCALES_INPUT, PatchedGraph, patched_bytes
+from .graph import SCALES_INPUT, PatchedGraph, cpu_optimized, patched_bytes
 from .phonemes import MAX_PIECE_IDS, Phonemizer
 from .text import clause_spans, foreign_letters, normalize_symbols, voice_scripts
 from .voice import VoiceConfig, resolve_voice
@@ -216,13 +216,14 @@ class PiperEngine(Engine):
             from .quant import cached_int8
 
             model_file = cached_int8(self.model_path, self.config_path, voice_sha256=self.model_sha256)
-        model_bytes = patched_bytes(model_file, conv2d=self.conv2d)
+        model_bytes, cached_as = patched_bytes(model_file, conv2d=self.conv2d)
+        source = cpu_optimized(model_bytes, cached_as) if on_cpu and cached_as else model_bytes
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = max(1, options.threads)
         so.inter_op_num_threads = 1
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self._session = ort.InferenceSession(model_bytes, so, providers=providers)
+        self._session = ort.InferenceSession(source, so, providers=providers)
         graph = self._graph = PatchedGraph.from_metadata(model_bytes, self._session.get_modelmeta().custom_metadata_map)
         used = self._session.get_providers()
         self.device = "cuda" if "CUDAExecutionProvider" in used else "cpu"

@@ -101,3 +101,30 @@ def test_padding_the_phoneme_axis_changes_nothing(engine, texts):
     for a, b in zip(plain, wide, strict=True):
         assert len(a) == len(b)
         assert np.abs(a - b).max() <= 1e-3
+
+
+def test_the_edited_graph_is_cached_and_an_unusable_cache_edits_in_memory(tmp_path, monkeypatch, texts):
+    """The first open writes the edited graph and its CPU optimization to the cache; a later open
+    reads them (no edit, no onnx) and an open whose cache folder cannot be made edits the graph in
+    memory: all three know the same graph (the edit's fields) and give the same audio, bit for bit."""
+    from cosybatch.engines.piper.graph import patch_graph
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    options = EngineOptions(device="cpu", engine=PiperOptions(noise_scale=0.0, noise_w=0.0))
+    first = open_engine("piper", None, options)
+    folder = tmp_path / "cache" / "cosybatch" / "piper-patched"
+    cached = sorted(folder.glob("*.onnx"))
+    assert len(cached) == 2  # the edited graph and onnxruntime's EXTENDED-level optimization of it
+    units = units_for(first, texts[:3])
+    audio = first.synthesize(units).audio
+    in_memory = patch_graph(first.model_path.read_bytes(), conv2d=first.conv2d)
+    assert first._graph.fields() == in_memory.fields() and first._graph.noise_inputs
+
+    again = open_engine("piper", None, options)
+    assert sorted(folder.glob("*.onnx")) == cached and again._graph.fields() == in_memory.fields()
+    (tmp_path / "blocked").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "blocked"))
+    uncached = open_engine("piper", None, options)
+    assert uncached._graph.fields() == in_memory.fields()
+    for engine in (again, uncached):
+        assert all(np.array_equal(a, b) for a, b in zip(engine.synthesize(units).audio, audio, strict=True))
