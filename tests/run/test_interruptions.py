@@ -32,7 +32,7 @@ from cosybatch.store.shards import ShardWriter
 
 @pytest.mark.slow
 def test_kill_9_at_random_moments(tmp_path):
-    rows = corpus_rows(40)
+    rows = corpus_rows(24)  # 4 kills after 1-4 commits each: at most 16 rows
     corpus = write_parquet(tmp_path / "c.parquet", rows)
     out = tmp_path / "out"
     rng = random.Random(1234)
