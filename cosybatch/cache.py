@@ -30,11 +30,8 @@ def cache_root() -> Path:
 
 
 def sha256_hex(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+    """The sha256 of every byte of ``path``, hashed now (not remembered, unlike file_sha256)."""
+    return _file_sha256(path)["sha256"]
 
 
 def file_fingerprint(path: Path) -> dict:
