@@ -29,6 +29,7 @@ from ..store.distributed import output_dirs
 from ..store.exports import iter_shard, shards
 from ..store.items import qc_columns
 from ..store.readback import NotReadable, open_regular, read_json
+from ..store.tables import read_parquet
 from .gate import QCSettings
 
 log = logging.getLogger("cosybatch")
@@ -225,13 +226,11 @@ def write_job_report(root: Path, rows: Optional[list[dict]] = None, summary: Opt
 
     root = Path(root)
     if rows is None:
-        import pyarrow.parquet as pq
-
         manifest = root / MANIFEST_FILE
         if not os.path.lexists(manifest):
             return None
         with open_regular(manifest) as f:  # a link or a FIFO is refused (NotReadable), not read
-            rows = pq.read_table(f).to_pylist()
+            rows = read_parquet(f).to_pylist()
         if rows and "qc_flags" not in rows[0]:
             return None
         summary = summary or read_json(root / STATS_FILE).get("qc") or {}

@@ -32,6 +32,7 @@ from ..cache import file_fingerprint, file_sha256  # noqa: F401  (re-exported: f
 from ..errors import OutputError, ResumeMismatchError, UsageError
 from .items import QC_COLUMNS
 from .shards import fsync_dir, shard_name
+from .tables import records_table
 
 STATE_DIR = ".cosybatch"
 JOB_FILE = "job.json"
@@ -506,14 +507,8 @@ def write_manifest_table(root: Path, records) -> int:
 
     records = list(records)
     columns = MANIFEST_COLUMNS + tuple(c for c in OPTIONAL_MANIFEST_COLUMNS if any(c[0] in r for r in records))
-    cols: dict[str, list] = {name: [] for name, _ in columns}
-    for record in records:
-        for name, _ in MANIFEST_COLUMNS:
-            cols[name].append(record[name])
-        for name in cols.keys() - dict(MANIFEST_COLUMNS).keys():
-            cols[name].append(record.get(name))
     schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in columns])
-    table = pa.table(cols, schema=schema)
+    table = records_table(schema, ({name: r.get(name) for name, _ in columns} for r in records))
     with atomic_file(root / MANIFEST_FILE) as f:
         pq.write_table(table, f)
     return table.num_rows

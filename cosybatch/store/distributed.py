@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import CorpusError, UsageError
+from .tables import read_parquet
 
 INDEX_VARIABLES = ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "COSYBATCH_SHARD_INDEX")
 
@@ -122,7 +123,7 @@ def merge(root: Path, allow_partial: bool = False) -> dict:
         if why:
             problems.append(f"{part.name} {why}")
             continue
-        table = pq.read_table(part / MANIFEST_FILE)
+        table = read_parquet(part / MANIFEST_FILE)
         shards = [f"{part.name}/{s}" for s in table.column("shard").to_pylist()]
         tables.append(table.set_column(table.schema.get_field_index("shard"), "shard", pa.array(shards)))
         if (part / FAILURES_FILE).exists():

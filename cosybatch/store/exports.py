@@ -66,6 +66,7 @@ from .distributed import job_folders
 from .items import QC_COLUMNS, qc_columns
 from .shar import write_shar
 from .shards import item_key
+from .tables import read_parquet
 
 FORMATS = ("hf", "nemo", "lhotse", "shar")
 COPYING = ("nemo", "lhotse")  # the formats that point into the shards, or copy the audio out with copy=True
@@ -107,9 +108,7 @@ def expected_items(folder: Path) -> Optional[dict[str, dict[str, dict]]]:
         manifest = folder / MANIFEST_FILE
         if not manifest.is_file():
             return None
-        import pyarrow.parquet as pq
-
-        records = pq.read_table(manifest).to_pylist()
+        records = read_parquet(manifest).to_pylist()
     else:
         records = OutputDir(folder).live_items()
     for record in records:

@@ -75,6 +75,7 @@ from .checkpoint import (
     write_atomic,
 )
 from .shards import shard_name
+from .tables import read_parquet
 
 log = logging.getLogger("cosybatch")
 
@@ -612,12 +613,10 @@ class ObjectSink:
     def fetch_shards(self) -> None:
         """Every shard the manifest lists back into staging, for the steps at the end that read
         the audio (exports, the report). Call after `drain`, once the manifest is written."""
-        import pyarrow.parquet as pq
-
         manifest = self.out.root / MANIFEST_FILE
         if not manifest.exists():
             return
-        for name in sorted(set(pq.read_table(manifest, columns=["shard"]).column("shard").to_pylist())):
+        for name in sorted(set(read_parquet(manifest, columns=["shard"]).column("shard").to_pylist())):
             path = self.out.root / name
             if _SHARD.fullmatch(name) and not path.exists():
                 self.store.download(name, path)
@@ -630,8 +629,6 @@ class ObjectSink:
         ray-run job keeps no journal) is read from its whole shard, fetched once."""
         import io
         import tarfile
-
-        import pyarrow.parquet as pq
 
         from .audio import audio_member
 
@@ -646,7 +643,7 @@ class ObjectSink:
             elif rec["t"] == "lost":
                 ends[rec["shard"]] = rec["end"]
         manifest = self.out.root / MANIFEST_FILE
-        listed = {r["id"]: (r["shard"], r["key"]) for r in pq.read_table(manifest, columns=["id", "shard", "key"])
+        listed = {r["id"]: (r["shard"], r["key"]) for r in read_parquet(manifest, columns=["id", "shard", "key"])
                   .to_pylist()} if manifest.exists() else {}
 
         def clip(item_id: str) -> bytes:

@@ -23,6 +23,7 @@ from .audio import AUDIO_EXTS, DEFAULT_FORMAT, audio_of
 from .audio import checksum as audio_checksum
 from .checkpoint import MANIFEST_FILE
 from .distributed import job_folders
+from .tables import read_parquet
 
 
 def verify(root: Path) -> dict:
@@ -45,27 +46,23 @@ def verify(root: Path) -> dict:
 
 def _unchecked(folder: Path) -> int:
     """Manifest rows with no wav_sha256 (written before it was stored)."""
-    import pyarrow.parquet as pq
-
     manifest = folder / MANIFEST_FILE
     if not manifest.exists():
         return 0
-    table = pq.read_table(manifest)
+    table = read_parquet(manifest)
     if "wav_sha256" not in table.column_names:
         return table.num_rows
     return table.column("wav_sha256").null_count
 
 
 def _verify_folder(folder: Path) -> tuple[int, list[str], int]:
-    import pyarrow.parquet as pq
-
     problems: list[str] = []
     manifest = folder / MANIFEST_FILE
     if not manifest.exists():
         return 0, [f"no {MANIFEST_FILE}: the run has not finished; rerun it to finish"], 0
     expected: dict[tuple[str, str], dict] = {}  # (shard, key) -> manifest row
     ids: set[str] = set()
-    for row in pq.read_table(manifest).to_pylist():
+    for row in read_parquet(manifest).to_pylist():
         if row["id"] in ids:
             problems.append(f"{MANIFEST_FILE} lists id {row['id']!r} twice")
         ids.add(row["id"])
