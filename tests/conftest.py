@@ -60,19 +60,31 @@ def engine():
 
 @pytest.fixture(scope="session")
 def cosyvoice_dir(tmp_path_factory) -> Path:
-    """A tiny CosyVoice2 model directory in the official layout, random weights, written once."""
+    """A tiny CosyVoice2 model directory in the official layout, random weights, written once. Its LM
+    ends rows a few tokens after their minimum length (short=True), as a trained one ends a
+    sentence; cosyvoice_cap_dir's runs every row to the length cap."""
     from cosybatch.cosyvoice.tiny import write_model_dir
 
-    return write_model_dir(tmp_path_factory.mktemp("cosyvoice") / "CosyVoice2-tiny")
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice") / "CosyVoice2-tiny", short=True)
+
+
+@pytest.fixture(scope="session")
+def cosyvoice_cap_dir(tmp_path_factory) -> Path:
+    """cosyvoice_dir without short=True: random weights that never pick the stop id, so every row
+    runs to its length cap (what the quality gate's length_cap flag is tested on)."""
+    from cosybatch.cosyvoice.tiny import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-cap") / "CosyVoice2-tiny")
 
 
 @pytest.fixture(scope="session")
 def cosyvoice_v1_dir(tmp_path_factory) -> Path:
-    """A tiny CosyVoice-300M-SFT folder in the official layout (speakers in spk2info.pt), random weights."""
+    """A tiny CosyVoice-300M-SFT folder in the official layout (speakers in spk2info.pt), random weights
+    (short=True, as cosyvoice_dir)."""
     from cosybatch.cosyvoice.tiny import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1") / "CosyVoice-300M-SFT-tiny", family="v1",
-                           variant="sft")
+                           variant="sft", short=True)
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +93,7 @@ def cosyvoice_v1_instruct_dir(tmp_path_factory) -> Path:
     from cosybatch.cosyvoice.tiny import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("cosyvoice-v1i") / "CosyVoice-300M-Instruct-tiny", family="v1",
-                           variant="instruct")
+                           variant="instruct", short=True)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ Rules, one page at a time:
   (`... || echo "exit code $?"`).
 - Downloads: `huggingface-cli`, `hf` and `modelscope` are stand-ins placed first on PATH. For a
   CosyVoice repository they write a tiny random-weight folder of that family and variant
-  (cosybatch.cosyvoice.tiny.write_model_dir); for rhasspy/piper-voices they copy the embedded
+  (cosybatch.cosyvoice.tiny.write_model_dir, with an LM that ends its rows soon after their
+  minimum length, as a real one ends a sentence); for rhasspy/piper-voices they copy the embedded
   voice's .onnx / .onnx.json to the paths asked for. So the blocks after a download run for real
   on a folder of the right kind. An unknown repository fails, so a renamed one is noticed.
 - GPU: these machines have no GPU, so `--device cuda` is run as `--device cpu`: the rest of the
@@ -198,11 +199,14 @@ def prepare_shell(code: str, lang: str) -> tuple[str, list[str]]:
 # -- stand-ins for the download tools ---------------------------------------------------------------
 # Repository (as the docs name it) -> (family, options of write_model_dir).
 V1_SFT_SPEAKERS = ("中文女", "中文男", "日语男", "粤语女", "英文女", "英文男", "韩语女")
+# short=True: the LM ends rows a few tokens after their minimum length, as the real model ends a
+# sentence, not at the length cap where random weights take them (a v2 row of the page: 20 s of
+# audio, 9.5 s to run; short, 2 s and 4.5 s). v3's random weights already end rows early.
 COSYVOICE_REPOS = {
-    "CosyVoice-300M": ("v1", {"variant": "base"}),
-    "CosyVoice-300M-SFT": ("v1", {"variant": "sft", "speakers": V1_SFT_SPEAKERS}),
-    "CosyVoice-300M-Instruct": ("v1", {"variant": "instruct", "speakers": V1_SFT_SPEAKERS}),
-    "CosyVoice2-0.5B": ("v2", {}),
+    "CosyVoice-300M": ("v1", {"variant": "base", "short": True}),
+    "CosyVoice-300M-SFT": ("v1", {"variant": "sft", "speakers": V1_SFT_SPEAKERS, "short": True}),
+    "CosyVoice-300M-Instruct": ("v1", {"variant": "instruct", "speakers": V1_SFT_SPEAKERS, "short": True}),
+    "CosyVoice2-0.5B": ("v2", {"short": True}),
     "Fun-CosyVoice3-0.5B-2512": ("v3", {}),
 }
 FAKE_HUB = textwrap.dedent('''\
@@ -241,9 +245,12 @@ FAKE_HUB = textwrap.dedent('''\
             source = "en_US-joe-medium.onnx.json" if f.endswith(".onnx.json") else "en_US-joe-medium.onnx"
             shutil.copyfile(data / source, target)
     elif owner in ("iic", "FunAudioLLM") and name in COSYVOICE:
-        from cosybatch.cosyvoice.tiny import write_model_dir
         family, options = COSYVOICE[name]
-        write_model_dir(local_dir, family=family, **options)
+        # Already there (the page downloads CosyVoice2 from both hubs into one folder): the real
+        # tools skip files they find, so this one writes nothing.
+        if not any((local_dir / f).is_file() for f in ("cosyvoice.yaml", "cosyvoice2.yaml", "cosyvoice3.yaml")):
+            from cosybatch.cosyvoice.tiny import write_model_dir
+            write_model_dir(local_dir, family=family, **options)
     else:
         sys.exit(f"{tool} stand-in: unknown repository {{repo}}")
     print(local_dir)

@@ -1,4 +1,4 @@
-"""``python -m cosybatch.cosyvoice.tiny --family v1|v2|v3 [--variant ...] [--size ...] [--seed N] DIR``."""
+"""``python -m cosybatch.cosyvoice.tiny --family v1|v2|v3 [--variant ...] [--size ...] [--seed N] [--short] DIR``."""
 
 from __future__ import annotations
 
@@ -23,8 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=sorted(V1_SIZES), default=None,
                         help="v1 and v2: tiny (the default) or the real model's sizes; v3 is tiny only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--short", action="store_true",
+                        help="v1 and v2: make the LM's stop id likely, so rows end a few tokens after their "
+                        "minimum length instead of at the length cap (v3's random weights already do)")
     args = parser.parse_args(argv)
     options = {"seed": args.seed}
+    if args.short:
+        if args.family == "v3":
+            parser.error("--short is for v1 and v2: v3's random decoder already ends rows early")
+        options["short"] = True
     if args.variant is not None:
         if args.family != "v1":
             parser.error(f"--variant is for --family v1; {args.family} has one variant")

@@ -25,7 +25,7 @@ from ..hift.generator import HiFT
 from ..lm.v1 import build_llm_v1
 from ..yamlconf import Call, expect, load_yaml
 from .assets import write_campplus_onnx, write_speech_tokenizer_onnx
-from .random_weights import randomise, weight_norm_state
+from .random_weights import randomise, stop_soon, weight_norm_state
 
 SPEECH_TOKENS = 4096  # 50 Hz v1 speech vocabulary
 TEXT_TOKENS = 51866  # openai-whisper's multilingual tokenizer (num_languages=100), which v1 folders use
@@ -355,10 +355,13 @@ def write_model_dir(
     seed: int = 0,
     speakers: tuple[str, ...] = SPEAKERS,
     llm: bool = True,
+    short: bool = False,
 ) -> Path:
     """Write the whole folder (without ``llm.pt`` if ``llm`` is false); returns its path.
 
     ``variant`` sft and instruct add ``spk2info.pt`` with ``speakers`` (``{name: {"embedding": (1, 192)}}``).
+    ``short``: the LM's stop id is made likely (random_weights.SHORT_STOP_BIAS), so rows end a few
+    tokens after their minimum length instead of at the length cap, where random weights take them.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: choose one of {', '.join(VARIANTS)}")
@@ -377,7 +380,10 @@ def write_model_dir(
     torch.save(flow_state(raw["flow"], gen), out / "flow.pt")
     torch.save(hift_state(raw["hift"], gen), out / "hift.pt")
     if llm:
-        torch.save(llm_state(raw["llm"], gen), out / "llm.pt")
+        state = llm_state(raw["llm"], gen)
+        if short:
+            stop_soon(state, state["llm_decoder.bias"].numel() - 1)  # v1's one stop id is its last
+        torch.save(state, out / "llm.pt")
     if variant != "base":
         torch.save({name: {"embedding": torch.randn(1, 192, generator=gen)} for name in speakers}, out / "spk2info.pt")
     return out

@@ -21,7 +21,7 @@ from ..flow.v2 import build_flow
 from ..hift.generator import HiFT
 from ..model import read_config
 from .assets import write_blank_en, write_campplus_onnx, write_speech_tokenizer_onnx
-from .random_weights import randomise, weight_norm_state
+from .random_weights import randomise, stop_soon, weight_norm_state
 
 SPEECH_TOKENS = 6561
 
@@ -210,9 +210,13 @@ def llm_state(s: Sizes, vocab: int, gen: torch.Generator) -> dict[str, torch.Ten
 
 
 def write_model_dir(
-    out: str | Path, size: str = "tiny", seed: int = 0, speakers: tuple[str, ...] = ("alice", "bob"), llm: bool = True
+    out: str | Path, size: str = "tiny", seed: int = 0, speakers: tuple[str, ...] = ("alice", "bob"), llm: bool = True,
+    short: bool = False,
 ) -> Path:
-    """Write the whole directory (without ``llm.pt`` if ``llm`` is false); returns its path."""
+    """Write the whole directory (without ``llm.pt`` if ``llm`` is false); returns its path.
+
+    ``short``: the LM's stop id is made likely (random_weights.SHORT_STOP_BIAS), so rows end a few
+    tokens after their minimum length instead of at the length cap, where random weights take them."""
     if size not in SIZES:
         raise ValueError(f"size {size!r}: choose one of {', '.join(SIZES)}")
     s = SIZES[size]
@@ -244,7 +248,10 @@ def write_model_dir(
     del hift
 
     if llm:
-        torch.save(llm_state(s, vocab_size_of(out), gen), out / "llm.pt")
+        state = llm_state(s, vocab_size_of(out), gen)
+        if short:
+            stop_soon(state, SPEECH_TOKENS)  # the first id after the speech ids ends a row
+        torch.save(state, out / "llm.pt")
     torch.save(
         {name: {"embedding": torch.randn(1, 192, generator=gen)} for name in speakers},
         out / "spk2info.pt",

@@ -120,7 +120,8 @@ def run_row(engine, text: str, item_id: str, voice: VoiceRequest) -> tuple[np.nd
     units = [Unit(0, part, piece.cost, "", piece.payload)
              for part, piece in enumerate(prepared.pieces)]
     syn = engine.synthesize(units)
-    return np.concatenate(syn.audio), syn.real_frames
+    # The speech tokens the flow got (real_frames also counts each piece's stop step).
+    return np.concatenate(syn.audio), sum(info["tokens"] for info in syn.lm)
 
 
 def test_check_reports_the_family(family):

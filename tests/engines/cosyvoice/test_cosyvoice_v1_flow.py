@@ -259,3 +259,17 @@ def test_cli_writes_a_folder(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(out)
     assert (out / "spk2info.pt").is_file() and (out / "llm.pt").is_file()
     assert read_config(out).family.version == 1
+
+
+def test_cli_short_makes_the_stop_id_likely_and_refuses_v3(tmp_path, capsys):
+    from cosybatch.cosyvoice.tiny.random_weights import SHORT_STOP_BIAS
+
+    out = tmp_path / "CosyVoice-300M-SFT"
+    tiny_main([str(out), "--family", "v1", "--variant", "sft", "--short"])
+    state = torch.load(out / "llm.pt", weights_only=True)
+    bias, weight = state["llm_decoder.bias"], state["llm_decoder.weight"]
+    assert bias[-1] == SHORT_STOP_BIAS and not weight[-1].any()  # v1's one stop id is its last
+    assert bias[:-1].abs().max() < 1 and weight[:-1].any()  # the speech ids keep their random weights
+    with pytest.raises(SystemExit):
+        tiny_main([str(tmp_path / "v3"), "--family", "v3", "--short"])
+    assert "--short is for v1 and v2" in capsys.readouterr().err
