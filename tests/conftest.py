@@ -62,19 +62,10 @@ def engine():
 def cosyvoice_dir(tmp_path_factory) -> Path:
     """A tiny CosyVoice2 model directory in the official layout, random weights, written once. Its LM
     ends rows a few tokens after their minimum length (short=True), as a trained one ends a
-    sentence; cosyvoice_cap_dir's runs every row to the length cap."""
+    sentence (tests/engines/cosyvoice/test_cosyvoice_qc.py edits a copy whose rows run to the cap)."""
     from cosybatch.cosyvoice.tiny import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("cosyvoice") / "CosyVoice2-tiny", short=True)
-
-
-@pytest.fixture(scope="session")
-def cosyvoice_cap_dir(tmp_path_factory) -> Path:
-    """cosyvoice_dir without short=True: random weights that never pick the stop id, so every row
-    runs to its length cap (what the quality gate's length_cap flag is tested on)."""
-    from cosybatch.cosyvoice.tiny import write_model_dir
-
-    return write_model_dir(tmp_path_factory.mktemp("cosyvoice-cap") / "CosyVoice2-tiny")
 
 
 @pytest.fixture(scope="session")
