@@ -35,11 +35,12 @@ sys.path.insert(0, os.environ.get("COSYBATCH_E2E_TREE") or str(ROOT))
 BASELINE = "5acef70"  # the last commit before the slot pool
 
 
-def segments_spec(n: int) -> list[list[int]]:
+def segments_spec(n: int, longest: int = 15) -> list[list[int]]:
+    """n segments of 3 to ``longest`` random text token ids (seeded: the same every run)."""
     import random
 
     rng = random.Random(0)
-    return [[rng.randrange(900) for _ in range(rng.randint(3, 15))] for _ in range(n)]
+    return [[rng.randrange(900) for _ in range(rng.randint(3, longest))] for _ in range(n)]
 
 
 def _counts(engine) -> dict:

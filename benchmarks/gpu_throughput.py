@@ -115,7 +115,7 @@ def graph_check(model: Path, device: str) -> dict:
     if device == "cpu":
         torch.set_num_threads(1)  # a dry run beside other work: more threads than free cores crawl
     rng = random.Random(3)
-    texts = [[rng.randrange(1000) for _ in range(rng.randint(2, 16))] for _ in range(12)]
+    texts = [[rng.randrange(1000) for _ in range(rng.randint(2, 16))] for _ in range(12 if device == "cuda" else 6)]
     out: dict = {"allocator": torch.cuda.get_allocator_backend() if device == "cuda" else None,
                  "configure_note": note}
     precisions = (("bf16", torch.bfloat16), ("fp32", torch.float32)) if device == "cuda" else (("fp32", torch.float32),)
@@ -412,7 +412,7 @@ def main() -> None:
     ap.add_argument("--upstream-items", type=int, default=12, help="segments of the upstream row")
     ap.add_argument("--asr-clips", type=int, default=128, help="clips of the asr row")
     ap.add_argument("--budget", type=float, default=470, help="seconds for everything, model writing included")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny weights, 6 segments, the plan's code paths")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny weights, 4 short segments, the plan's code paths")
     ap.add_argument("--graph-check", nargs=2, metavar=("MODEL", "DEVICE"), help=argparse.SUPPRESS)
     ap.add_argument("--asr-worker", nargs=3, metavar=("DEVICE", "TINY", "CLIPS"), help=argparse.SUPPRESS)
     args = parse(ap)
@@ -428,10 +428,11 @@ def main() -> None:
     device, size, plan = "cuda", "real", PLAN
     if args.dry_run:
         device, size, plan = "cpu", "tiny", DRY_PLAN
-        args.items, args.upstream_items, args.asr_clips = 6, 2, 4
+        args.items, args.upstream_items, args.asr_clips = 4, 2, 4
     from cosybatch.cosyvoice.tiny import write_model_dir
 
-    texts = segments_spec(args.items)
+    # Segments decode to the length cap (20 speech tokens per text token): the dry run keeps them short.
+    texts = segments_spec(args.items, longest=8 if args.dry_run else 15)
     up_texts = texts[: args.upstream_items]
 
     def audio_s(t):
