@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 from helpers import (
@@ -49,26 +48,6 @@ def test_kill_9_then_rerun_completes_exactly_once(tmp_path):
     for item in items.values():
         assert item["meta"]["format"] == "flac" and item["sample_rate"] == 16000
         assert len(item["audio"]) == item["meta"]["num_samples"] > 0
-
-
-@pytest.mark.slow
-def test_sigterm_stops_cleanly_and_resumes(tmp_path):
-    rows = corpus_rows(12)  # after 3 commits, when the signal comes, seconds of work are left
-    corpus = write_parquet(tmp_path / "c.parquet", rows)
-    out = tmp_path / "out"
-    proc = start_run(corpus, out)
-    wait_for_items(out, proc, 3)
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 10
-    assert proc.returncode == 4, stderr
-    assert "Traceback" not in stderr
-    assert json.loads(stdout.strip().splitlines()[-1])["status"] == "interrupted"
-
-    result = run(RunConfig.from_options(corpus=corpus, out=out, shard_max_items=4, progress="none"))
-    assert result.status == "complete"
-    assert sorted(read_output(out)) == sorted(r["id"] for r in rows)
 
 
 def test_rerun_of_a_finished_job_does_nothing(tmp_path, tone):
