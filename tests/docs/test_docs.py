@@ -274,8 +274,16 @@ def test_every_block_is_run_or_declared_data(page):
     assert not unknown, f"{page_id(page)}: blocks neither run nor declared data (line, language): {unknown}"
 
 
+@pytest.fixture(scope="session")
+def cache_home(tmp_path_factory) -> Path:
+    """XDG_CACHE_HOME of every page's blocks in this process: the voice's edited and optimized
+    graphs (docs/piper.md) are made by the first page that opens it, as on a reader's machine,
+    not again by each page (about a CPU-second apiece)."""
+    return tmp_path_factory.mktemp("docs-cache")
+
+
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
-def test_the_blocks_run(page, tmp_path):
+def test_the_blocks_run(page, tmp_path, cache_home):
     work = tmp_path / "work"
     work.mkdir()
     for folder in ("examples", "jobs"):
@@ -284,7 +292,7 @@ def test_the_blocks_run(page, tmp_path):
         **os.environ,
         "PATH": os.pathsep.join([str(fake_bin(tmp_path / "bin")), str(Path(sys.executable).parent),
                                  os.environ.get("PATH", "")]),
-        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "XDG_CACHE_HOME": str(cache_home),
         "HF_HOME": str(tmp_path / "hf-home"),
         "HF_DATASETS_OFFLINE": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
