@@ -142,7 +142,7 @@ def test_disk_full_fault_keeps_committed_work_and_resumes(tmp_path, monkeypatch,
 
 def _can_mount_tmpfs(path: Path) -> bool:
     path.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(path)],
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(path)],
                           capture_output=True).returncode == 0
 
 
@@ -152,7 +152,7 @@ def test_real_full_disk_then_more_space(tmp_path):
     if not _can_mount_tmpfs(mnt):
         pytest.skip("cannot mount a tmpfs here (needs root); the fault-injection test covers this path")
     try:
-        rows = corpus_rows(30)  # ~6 MB of audio into a 3 MB disk
+        rows = corpus_rows(15)  # ~3 MB of audio into a 1.5 MB disk
         corpus = write_parquet(tmp_path / "c.parquet", rows)
         out = mnt / "out"
         proc = subprocess.run([sys.executable, "-m", "cosybatch", "run", str(corpus), "--out", str(out),
