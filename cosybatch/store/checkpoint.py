@@ -508,7 +508,10 @@ def write_manifest_table(root: Path, records) -> int:
     records = list(records)
     columns = MANIFEST_COLUMNS + tuple(c for c in OPTIONAL_MANIFEST_COLUMNS if any(c[0] in r for r in records))
     schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in columns])
-    table = records_table(schema, ({name: r.get(name) for name, _ in columns} for r in records))
+    optional = columns[len(MANIFEST_COLUMNS):]
+    rows = ({**{name: r[name] for name, _ in MANIFEST_COLUMNS}, **{name: r.get(name) for name, _ in optional}}
+            for r in records)  # a record without a required column raises, as before
+    table = records_table(schema, rows)
     with atomic_file(root / MANIFEST_FILE) as f:
         pq.write_table(table, f)
     return table.num_rows

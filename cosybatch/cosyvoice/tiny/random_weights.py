@@ -48,4 +48,3 @@ def stop_soon(state: dict[str, torch.Tensor], stop_id: int) -> None:
     """Make ``llm_decoder``'s ``stop_id`` likely (see SHORT_STOP_BIAS), in place."""
     state["llm_decoder.weight"][stop_id].zero_()
     state["llm_decoder.bias"][stop_id] = SHORT_STOP_BIAS
-
