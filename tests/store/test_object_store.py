@@ -59,9 +59,16 @@ def env_for(endpoint: str) -> dict:
     return {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
 
 
+LEASE_S = "6"
+"""The runs' --lease here. A live run renews it every 2 s; `status` calls it running while the last
+renewal is under 12 s old, and a second writer watches it for 6 s. With --lease 2 (renewal every
+0.67 s, a 4 s window) a busy 2-core machine once stalled the hung run's renewal long enough for
+`status` to say "stopped". A rerun after a kill waits this long: wall time, not CPU."""
+
+
 def run_to(corpus, uri: str, staging: Path, endpoint: str, *extra) -> subprocess.CompletedProcess:
     return cli("run", corpus, "--out", uri, "--staging", staging, "--engine", "tone", "--progress", "none",
-               "--shard-max-items", "2", "--lease", "2", *extra, env=env_for(endpoint))
+               "--shard-max-items", "2", "--lease", LEASE_S, *extra, env=env_for(endpoint))
 
 
 def store_items(fs, prefix: str, dest: Path) -> dict[str, dict]:
@@ -188,7 +195,7 @@ def _killed_mid_upload(s3, tmp_path: Path, rows: list[dict], staging: Path) -> s
     script.write_text(HANGING_UPLOAD)
     proc = subprocess.Popen(
         [sys.executable, str(script), "run", corpus, "--out", f"s3://{s3.bucket}/ds", "--staging", str(staging),
-         "--engine", "tone", "--progress", "none", "--shard-max-items", "2", "--lease", "2"],
+         "--engine", "tone", "--progress", "none", "--shard-max-items", "2", "--lease", LEASE_S],
         env={**os.environ, **env_for(s3.endpoint), "HANG_ON": "shard-000001.tar", "HANG_MARK": str(mark)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
