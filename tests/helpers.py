@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository root (examples/, jobs/, README.md)."""
@@ -72,11 +73,17 @@ def finished_tone_job(tone, folder: Path, n: int = 8, **settings) -> tuple[Path,
 
 # -- the command line, as a user runs it -----------------------------------------------------------
 def cli(*args, env: dict | None = None, cwd: Path | None = ROOT, timeout: float = 600,
-        check: bool = False) -> subprocess.CompletedProcess:
-    """`python -m cosybatch ARGS` in a subprocess (Path arguments welcome). env adds to this
-    process's environment; check=True fails the test on a non-zero exit, with both streams."""
-    proc = subprocess.run([sys.executable, "-m", "cosybatch", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
+        check: bool = False, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m cosybatch ARGS` in a process of its own (Path arguments welcome): a child forked
+    by this test process's zygote, which has the CLI's imports done (tests/zygote.py), or with
+    fresh=True (or COSYBATCH_TEST_FRESH=1) a new interpreter. env adds to this process's
+    environment; check=True fails the test on a non-zero exit, with both streams."""
+    argv, full_env = [*map(str, args)], {**os.environ, **(env or {})}
+    if fresh or os.environ.get("COSYBATCH_TEST_FRESH") == "1":
+        proc = subprocess.run([sys.executable, "-m", "cosybatch", *argv], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, cwd=cwd)
+    else:
+        proc = zygote.run(argv, full_env, cwd, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}")
     return proc
