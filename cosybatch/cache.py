@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
@@ -46,22 +48,69 @@ def file_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
 
 
-_HASHED: dict[tuple, dict] = {}  # (path, device, inode, size, mtime) -> file_sha256's answer, this process
+_HASHED: dict[tuple, dict] = {}  # _stat_key -> file_sha256's answer, this process
+DIGESTS_FOLDER = "digests"  # under cache_root(): file_sha256's answers, remembered across processes
+REMEMBER_FROM_BYTES = 1 << 20  # smaller files are hashed faster than a remembered answer is read
+SETTLED_S = 2.0  # a file changed more recently than this is not remembered (coarse timestamps)
 
 
 def _stat_key(path: Path) -> tuple:
     st = os.stat(path)
-    return (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def file_sha256(path: Path) -> dict:
-    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB). Hashed
-    once per process while the file's inode, size and mtime stay the same (a job's processes open
-    the same voice again and again: 0.1 s each for a 63 MB one)."""
+    """Identifies a file exactly: its size and the sha256 of every byte (about 1 s per GB).
+
+    Hashed once per process, and for a file of a MiB or more remembered across processes in
+    ``cache_root()/digests`` while the file's path, device, inode, size, mtime and ctime stay the
+    same: a job's processes, reruns and sharded workers open the same voice and corpus again and
+    again (0.15 s a process for the bundled 63 MB voice, whose graph and its cached derivatives are
+    hashed three times; a 10 GB corpus took 10 s at every resume). Any write to the file moves its
+    ctime, which no program sets back (unlike the mtime), so a changed file is hashed again; a
+    file changed in the last SETTLED_S is not remembered, for filesystems whose timestamps are
+    coarser than a write. An unusable cache folder only means hashing every time."""
     key = _stat_key(path)
     if key not in _HASHED:
-        _HASHED[key] = _file_sha256(path)
+        _HASHED[key] = _remembered(key) or _remember(key, _file_sha256(path))
     return dict(_HASHED[key])
+
+
+def _digest_file(key: tuple) -> Path:
+    name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+    return cache_root() / DIGESTS_FOLDER / f"{name}.json"
+
+
+def _remembered(key: tuple) -> Optional[dict]:
+    if key[3] < REMEMBER_FROM_BYTES:
+        return None
+    try:
+        found = json.loads(_digest_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(found, dict) or found.get("key") != list(key):
+        return None  # another file's whose name collided, or a damaged record: hash it
+    size, sha = found.get("size"), found.get("sha256")
+    if size != key[3] or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+        return None
+    return {"size": size, "sha256": sha}
+
+
+def _remember(key: tuple, answer: dict) -> dict:
+    settled = time.time() - max(key[4], key[5]) / 1e9 > SETTLED_S
+    if key[3] >= REMEMBER_FROM_BYTES and answer["size"] == key[3] and settled:
+        target = _digest_file(key)
+        with contextlib.suppress(OSError):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=target.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"key": list(key), **answer}, f)
+                os.replace(tmp, target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+    return answer
 
 
 def _file_sha256(path: Path) -> dict:
