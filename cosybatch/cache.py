@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 log = logging.getLogger("cosybatch")
 
@@ -48,15 +48,25 @@ def file_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_head_tail": h.hexdigest()[:32]}
 
 
-_HASHED: dict[tuple, dict] = {}  # _stat_key -> file_sha256's answer, this process
+_HASHED: dict[_Stat, dict] = {}  # _stat_key -> file_sha256's answer, this process
 DIGESTS_FOLDER = "digests"  # under cache_root(): file_sha256's answers, remembered across processes
 REMEMBER_FROM_BYTES = 1 << 20  # smaller files are hashed faster than a remembered answer is read
 SETTLED_S = 2.0  # a file changed more recently than this is not remembered (coarse timestamps)
 
 
-def _stat_key(path: Path) -> tuple:
+class _Stat(NamedTuple):
+    """What identifies a version of a file without reading it (file_sha256's memo key)."""
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def _stat_key(path: Path) -> _Stat:
     st = os.stat(path)
-    return (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return _Stat(os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def file_sha256(path: Path) -> dict:
@@ -76,13 +86,13 @@ def file_sha256(path: Path) -> dict:
     return dict(_HASHED[key])
 
 
-def _digest_file(key: tuple) -> Path:
+def _digest_file(key: _Stat) -> Path:
     name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
     return cache_root() / DIGESTS_FOLDER / f"{name}.json"
 
 
-def _remembered(key: tuple) -> Optional[dict]:
-    if key[3] < REMEMBER_FROM_BYTES:
+def _remembered(key: _Stat) -> Optional[dict]:
+    if key.size < REMEMBER_FROM_BYTES:
         return None
     try:
         found = json.loads(_digest_file(key).read_text())
@@ -91,14 +101,14 @@ def _remembered(key: tuple) -> Optional[dict]:
     if not isinstance(found, dict) or found.get("key") != list(key):
         return None  # another file's whose name collided, or a damaged record: hash it
     size, sha = found.get("size"), found.get("sha256")
-    if size != key[3] or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+    if size != key.size or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
         return None
     return {"size": size, "sha256": sha}
 
 
-def _remember(key: tuple, answer: dict) -> dict:
-    settled = time.time() - max(key[4], key[5]) / 1e9 > SETTLED_S
-    if key[3] >= REMEMBER_FROM_BYTES and answer["size"] == key[3] and settled:
+def _remember(key: _Stat, answer: dict) -> dict:
+    settled = time.time() - max(key.mtime_ns, key.ctime_ns) / 1e9 > SETTLED_S
+    if key.size >= REMEMBER_FROM_BYTES and answer["size"] == key.size and settled:
         target = _digest_file(key)
         with contextlib.suppress(OSError):
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,6 @@ PRELOAD = ("cosybatch.cli", "cosybatch.run.local", "cosybatch.engines.piper", "p
 def serve() -> None:
     """The zygote's loop (run as `python tests/zygote.py`): requests on stdin, answers on stdout."""
     import importlib
-    import signal
 
     sys.path.pop(0)  # this script's folder (tests/); a child puts its working folder first, as -m does
     for name in PRELOAD:
@@ -62,7 +61,7 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             control.close()
-            _child(request, devnull, signal)  # never returns: the child exits as an interpreter does
+            _child(request, devnull)  # never returns: the child exits as an interpreter does
         control.write(json.dumps({"pid": pid}) + "\n")
         control.flush()
         _, status = os.waitpid(pid, 0)
@@ -70,8 +69,9 @@ def serve() -> None:
         control.flush()
 
 
-def _child(request: dict, devnull: int, signal) -> None:
+def _child(request: dict, devnull: int) -> None:
     import runpy
+    import signal
 
     os.dup2(devnull, 0)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
