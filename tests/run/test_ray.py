@@ -61,37 +61,8 @@ def rows(n: int) -> list[dict]:
     return [{"id": f"r{i}", "text": f"Row {i} is {' '.join(words[: 1 + i % len(words)])}."} for i in range(n)]
 
 
-# -- ray-run starting and stopping its own cluster (these run before the shared one starts: the
-# bad voice's test asserts that no cluster is up in this process)
-def test_killed_driver_then_rerun_completes_exactly_once(tmp_path):
-    data = rows(ROWS_KILLED)
-    corpus = write_parquet(tmp_path / "c.parquet", data)
-    out = tmp_path / "out"
-    # A session of its own: the local cluster the driver starts (GCS, raylet, agents, actors) is in
-    # the driver's session, so it can be stopped without `ray stop --force`, which would stop every
-    # Ray process on the machine, those of other tests included.
-    proc = subprocess.Popen([sys.executable, "-m", "cosybatch", "ray-run", str(corpus), "--out", str(out),
-                             "--actors", "2", "--rows-per-task", "8", "--progress", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while len(list(out.glob("shard-*.tar"))) < 3:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    stop_session(proc.pid)  # what is left of the killed driver's cluster
-    finished_before = len(read_output(out))
-    assert 0 < finished_before < ROWS_KILLED
-
-    result = ray_run(RunConfig.from_options(corpus=corpus, out=out, progress="none"), RayOptions(actors=2,
-                                                                                                 rows_per_task=8))
-    assert result.status == "complete"
-    assert result.stats["items_done"] == ROWS_KILLED - finished_before  # finished shards were not redone
-    items = read_output(out)  # raises if any id is in two shards
-    assert sorted(items) == sorted(r["id"] for r in data)
-
-
+# -- before the shared cluster starts: the bad voice's test asserts that no cluster is up in this
+# process, and the two-node test starts a cluster of its own in it
 def test_a_bad_voice_is_a_usage_error_before_the_cluster_starts(tmp_path):
     from cosybatch.errors import VoiceError
 
@@ -194,6 +165,37 @@ def cluster():
              logging_level=logging.WARNING, configure_logging=False)
     yield
     ray.shutdown()
+
+
+def test_killed_driver_then_rerun_completes_exactly_once(cluster, tmp_path):
+    data = rows(ROWS_KILLED)
+    corpus = write_parquet(tmp_path / "c.parquet", data)
+    out = tmp_path / "out"
+    # The killed driver starts a local cluster of its own, in a session of its own: the cluster it
+    # starts (GCS, raylet, agents, actors) is in the driver's session, so it can be stopped without
+    # `ray stop --force`, which would stop every Ray process on the machine, those of other tests
+    # included. The rerun joins the module's shared cluster (a second cluster start would add
+    # seconds of CPU and test nothing more).
+    proc = subprocess.Popen([sys.executable, "-m", "cosybatch", "ray-run", str(corpus), "--out", str(out),
+                             "--actors", "2", "--rows-per-task", "8", "--progress", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while len(list(out.glob("shard-*.tar"))) < 3:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stop_session(proc.pid)  # what is left of the killed driver's cluster
+    finished_before = len(read_output(out))
+    assert 0 < finished_before < ROWS_KILLED
+
+    result = ray_run(RunConfig.from_options(corpus=corpus, out=out, progress="none"), RayOptions(actors=2,
+                                                                                                 rows_per_task=8))
+    assert result.status == "complete"
+    assert result.stats["items_done"] == ROWS_KILLED - finished_before  # finished shards were not redone
+    items = read_output(out)  # raises if any id is in two shards
+    assert sorted(items) == sorted(r["id"] for r in data)
 
 
 def test_every_id_once_and_same_bytes_as_run(cluster, tmp_path):
