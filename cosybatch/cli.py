@@ -205,8 +205,8 @@ def _ray_run_parameters() -> list[inspect.Parameter]:
     job = _option("job", Optional[Path], None, "A `cosybatch run` job spec; flags here override it.", ("--job",),
                   panel=SECTION_TITLES["input"])
     return [shared["ctx"], shared["corpus"], *_by_panel([job, *(shared[name] for name in RAY_RUN_SHARED[1:])]),
-            _option("address", Optional[str], None, "Ray cluster: unset starts a local one; 'auto' joins the "
-                    "running one; or ray://HOST:10001.", panel=RAY),
+            _option("address", Optional[str], None, "Ray cluster: unset starts a local one of its own (even "
+                    "where another runs here); 'auto' joins the running one; or ray://HOST:10001.", panel=RAY),
             _option("actors", int, 2, "Actors in the pool, each holding one engine.", panel=RAY),
             _option("num_gpus", float, 0.0, "GPUs per actor.", panel=RAY),
             _option("num_cpus", float, 1.0, "CPUs per actor.", panel=RAY),

@@ -64,7 +64,8 @@ log = logging.getLogger("cosybatch")
 @dataclass(frozen=True)
 class RayOptions:
     address: Optional[str] = None
-    """Ray cluster to join: None starts a local one, "auto" joins the running one, or ray://host:10001."""
+    """Ray cluster to join: None starts a local one of its own (even where another runs on this machine),
+    "auto" joins the running one, or ray://host:10001."""
     actors: int = 2
     """Actors in the pool, each holding one engine."""
     num_gpus: float = 0.0
@@ -280,15 +281,19 @@ class RayRunner(Runner):
 
         opts = self.opts
         if not ray.is_initialized():
-            extra = {}
-            if opts.address is None:
+            address, extra = opts.address, {}
+            if address is None:
+                # A cluster of its own, even where `ray start` (or another tool) left one running on
+                # this machine: ray.init() without an address would join that one, and then refuse
+                # the num_cpus below.
+                address = "local"
                 # A local cluster gets one logical CPU beyond what the actors hold, for Ray Data's
                 # read tasks: with every CPU held by an actor, the read would wait forever.
                 extra["num_cpus"] = max(cpu_count(), int(opts.actors * opts.num_cpus + 0.999) + 1)
                 # Its actors are the job itself: Ray's default worker niceness (15) let two other
                 # busy processes starve them to 2.5% of a core here. The raylet reads this variable.
                 os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING, configure_logging=False, **extra)
             self.started_ray = True
         remote = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus, max_restarts=2,

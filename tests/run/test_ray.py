@@ -108,8 +108,10 @@ def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3, t
     from helpers import S3_ENV, download_prefix, s3_fs
     from ray.cluster_utils import Cluster
 
-    for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint}.items():
-        monkeypatch.setenv(key, value)  # before the nodes start: their workers inherit it
+    # Before the nodes start: their workers inherit it. Worker niceness 0, as ray-run's own local
+    # cluster has it: at Ray's default (15) the actors starved beside the rest of the suite (285 s).
+    for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint, "RAY_worker_niceness": "0"}.items():
+        monkeypatch.setenv(key, value)
     fs = s3_fs(s3.endpoint)
     data = rows(24)
     for part in range(3):  # the corpus in the store too, as JSONL parts
@@ -158,24 +160,32 @@ def test_ray_run_on_two_nodes_writes_to_s3_each_actor_uploading_its_shards(s3, t
 def cluster():
     """One local Ray cluster for the in-process ray_run tests below. ray_run uses a cluster that is
     running (and leaves it running), so its start-up and shutdown, seconds apiece, are paid once
-    for the module. It is started as ray_run starts its own: a CPU beyond two actors for Ray Data's
-    reads, worker niceness 0."""
+    for the module. It is started as ray_run starts its own (a CPU beyond two actors for Ray Data's
+    reads, worker niceness 0), but as `ray start` starts one: it becomes the machine's current
+    cluster, which `ray.init()` without an address would join. So a `ray-run` without --address
+    started meanwhile (the killed driver's below, the docs' and the plugin's in other test
+    processes) shows that it starts a cluster of its own all the same, as its docs say."""
+    from ray.cluster_utils import Cluster
+
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=max(os.cpu_count() or 1, 3), include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING, configure_logging=False)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": max(os.cpu_count() or 1, 3),
+                                                           "include_dashboard": False})
+    ray.init(address=nodes.address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
     yield
     ray.shutdown()
+    nodes.shutdown()
 
 
 def test_killed_driver_then_rerun_completes_exactly_once(cluster, tmp_path):
     data = rows(ROWS_KILLED)
     corpus = write_parquet(tmp_path / "c.parquet", data)
     out = tmp_path / "out"
-    # The killed driver starts a local cluster of its own, in a session of its own: the cluster it
-    # starts (GCS, raylet, agents, actors) is in the driver's session, so it can be stopped without
-    # `ray stop --force`, which would stop every Ray process on the machine, those of other tests
-    # included. The rerun joins the module's shared cluster (a second cluster start would add
-    # seconds of CPU and test nothing more).
+    # The killed driver starts a local cluster of its own (not the module's, although that one is
+    # the machine's current cluster), in a session of its own: the cluster it starts (GCS, raylet,
+    # agents, actors) is in the driver's session, so it can be stopped without `ray stop --force`,
+    # which would stop every Ray process on the machine, those of other tests included. The rerun
+    # joins the module's shared cluster (a second cluster start would add seconds of CPU and test
+    # nothing more).
     proc = subprocess.Popen([sys.executable, "-m", "cosybatch", "ray-run", str(corpus), "--out", str(out),
                              "--actors", "2", "--rows-per-task", "8", "--progress", "none"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
