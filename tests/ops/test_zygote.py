@@ -37,7 +37,6 @@ def test_a_forked_command_answers_as_a_new_interpreter_does(tmp_path):
     assert cli("--version").stdout == cli("--version", fresh=True).stdout
 
 
-
 # A module that ends in each of the ways an interpreter has to handle on its way out.
 PROBE = textwrap.dedent("""
     import atexit, sys, threading, time
